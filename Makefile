@@ -1,0 +1,39 @@
+# Two entry points (see README): `make run` and `make test`. Both create .venv on first use.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+# Quiet, offline tools (reference/tooling.md): no telemetry, no model hub.
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW := ignore
+export MLFLOW_DISABLE_TELEMETRY := true
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: setup run test bench
+
+# One pip command for everything, constrained by the lock, so torch stays the 2.13.0 CPU build and
+# boto3/botocore resolve together with s3fs. The machine's pip config prints harmless
+# "Location ... is ignored" lines for its local indexes; they are filtered out.
+$(VENV)/.installed: pyproject.toml requirements-lock.txt
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q -c requirements-lock.txt -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job. Until the training pipeline lands, it is the critic-budget benchmark (quick grid).
+run: setup
+	$(BIN)/focus bench critic-budget --quick --json bench/out/critic_budget_quick.json \
+		--plot bench/out/critic_budget_quick.png
+
+# What CI runs (.ci/run): lint, then every test, on both cores.
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest -n 2 -q
+
+# Full benchmarks (minutes): the figures in the README.
+bench: setup
+	$(BIN)/focus bench speed --json bench/out/speed.json
+	$(BIN)/focus bench critic-budget --json bench/out/critic_budget.json --plot bench/out/critic_budget.png

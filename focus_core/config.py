@@ -1,0 +1,470 @@
+"""Typed run configuration: pydantic models, per-method presets, YAML loading with ``a.b=c`` overrides.
+
+One ``FocusConfig`` describes a run. ``method`` picks the algorithm; every method is the same pipeline
+with other settings, so a method mostly implies settings of the sections below (``method_defaults``).
+Preset values fill only the fields a user did not give, and combinations the pipeline does not
+support fail at load time with the reason and the fix, never halfway through a run.
+
+Sections that a method does not use are ``None``: GRPO, Dr.GRPO and RLOO have neither ``critic`` nor
+``acquisition``; PPO+GAE has a critic but no branches (``acquisition``); VinePPO has branches but no
+critic (its values are Monte-Carlo means).
+
+Entry points: ``load_config(path, overrides)`` for YAML files plus CLI overrides, ``validate_config``
+for a plain dict; both raise ``ConfigError`` listing every problem as ``field.path: problem``.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from focus_core.budget import matched_budget
+
+MethodName = Literal["focus", "vineppo", "grpo", "dr_grpo", "rloo", "ppo_gae"]
+EstimatorName = Literal["segment_td_lambda", "vineppo", "grpo", "dr_grpo", "rloo", "gae"]
+StrategyName = Literal[
+    "uniform_all", "uniform_random", "ensemble_std", "eer_diag", "ivr_greedy", "neyman", "oracle"
+]
+
+METHODS: tuple[str, ...] = get_args(MethodName)
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message lists each problem as ``field.path: problem``."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo must not silently fall back to a default.
+    model_config = ConfigDict(extra="forbid")
+
+
+def _fail_if(problems: list[str]) -> None:
+    """Raise the collected problems of one model, one per line (ConfigError prefixes each with the path)."""
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+class BudgetConfig(_Section):
+    """Generated-token budget per iteration, matched across methods (method.md §9.2)."""
+
+    prompts_per_iteration: int = Field(2, ge=1, description="P: prompts (tasks) per iteration")
+    group_size_grpo: int = Field(8, ge=1, description="G_grpo: rollouts per prompt of the GRPO family")
+    group_size_main: int = Field(4, ge=1, description="G_main: main rollouts per prompt with branching")
+    expected_episode_tokens: int = Field(5000, ge=1, description="L̄: expected generated tokens per episode")
+    tokens_per_iteration: int | None = Field(None, ge=1, description="explicit B_tok; default P·L̄·G_grpo")
+
+    @model_validator(mode="after")
+    def _check(self) -> BudgetConfig:
+        problems = []
+        if self.group_size_main > self.group_size_grpo:
+            problems.append(
+                f"group_size_main: {self.group_size_main} > group_size_grpo {self.group_size_grpo}; the main "
+                f"rollouts alone would exceed the matched budget (fix: group_size_main <= group_size_grpo)"
+            )
+        elif self.tokens_per_iteration is not None and self.tokens_per_iteration < self.main_tokens:
+            problems.append(
+                f"tokens_per_iteration: {self.tokens_per_iteration} is below the expected main-rollout "
+                f"tokens P·L̄·G_main = {self.main_tokens} (fix: raise it or leave it unset)"
+            )
+        _fail_if(problems)
+        return self
+
+    @property
+    def main_tokens(self) -> int:
+        """Expected tokens of the main rollouts of a branching method: P·L̄·G_main."""
+        return self.prompts_per_iteration * self.expected_episode_tokens * self.group_size_main
+
+    @property
+    def total_tokens(self) -> int:
+        """B_tok: the explicit budget if given, else P·L̄·G_grpo."""
+        if self.tokens_per_iteration is not None:
+            return self.tokens_per_iteration
+        total, _ = matched_budget(
+            prompts=self.prompts_per_iteration,
+            mean_episode_tokens=self.expected_episode_tokens,
+            group_size_grpo=self.group_size_grpo,
+            group_size_main=self.group_size_main,
+        )
+        return total
+
+    @property
+    def branch_tokens(self) -> int:
+        """Budget left for continuations: B_tok − P·L̄·G_main."""
+        return self.total_tokens - self.main_tokens
+
+
+class AdvantageConfig(_Section):
+    """How segment (or group) advantages are computed (method.md §2, §3, §5)."""
+
+    estimator: EstimatorName = "segment_td_lambda"
+    gamma: float = Field(1.0, gt=0.0, le=1.0, description="per-segment discount γ")
+    lam: float = Field(0.9, ge=0.0, le=1.0, description="TD(λ) trace λ")
+    trace_mode: Literal["segment", "token_length"] = Field(
+        "segment", description="segment: Λ_k = λ; token_length: Λ_k = λ_tok^{L_k}"
+    )
+    lambda_token_halflife: float | None = Field(
+        None, gt=0.0, description="generated tokens after which the token-length trace halves"
+    )
+    whiten: bool = Field(True, description="whiten token advantages over the batch")
+    grpo_std: Literal["unbiased", "population"] = Field(
+        "unbiased", description="std of the GRPO group normaliser: unbiased (n−1) or population (n)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AdvantageConfig:
+        problems = []
+        if self.trace_mode == "token_length" and self.lambda_token_halflife is None:
+            problems.append(
+                "lambda_token_halflife: required when trace_mode is token_length "
+                "(fix: set it, e.g. 2000, or use trace_mode=segment)"
+            )
+        if self.trace_mode == "segment" and self.lambda_token_halflife is not None:
+            problems.append(
+                "lambda_token_halflife: only used with trace_mode=token_length "
+                "(fix: remove it or set trace_mode=token_length)"
+            )
+        _fail_if(problems)
+        return self
+
+
+class AcquisitionConfig(_Section):
+    """Where the branch budget goes: the selective-branching strategy (method.md §7, §9.4, §9.5)."""
+
+    strategy: StrategyName = "ivr_greedy"
+    eps_uniform: float = Field(0.2, ge=0.0, le=1.0, description="share of the branch budget spent uniformly")
+    chunk_size: int = Field(2, ge=1, description="k_chunk: continuations per greedy pick")
+    max_per_state: int = Field(8, ge=1, description="n_max: most continuations one state may get")
+    vine_k: int = Field(9, ge=1, description="K: continuations per state for uniform_all (VinePPO)")
+    rounds: int = Field(2, ge=1, description="R: acquire -> branch -> fit rounds per iteration")
+    jitter: float = Field(1e-4, gt=0.0, description="τ²: jitter added to the ensemble covariance diagonal")
+    include_own_return_in_shrinkage: bool = Field(
+        False, description="count a state's own realised return in the value shrinkage (self-referential)"
+    )
+    n_trust: int = Field(8, ge=1, description="with this many MC returns use their mean directly")
+    benchmark_only: bool = Field(
+        False, description="allow the oracle strategy, which reads true values only benchmarks have"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AcquisitionConfig:
+        problems = []
+        if self.max_per_state < self.chunk_size:
+            problems.append(
+                f"max_per_state: {self.max_per_state} < chunk_size {self.chunk_size}, so no state could get "
+                f"a chunk (fix: max_per_state >= chunk_size)"
+            )
+        if self.strategy == "oracle" and not self.benchmark_only:
+            problems.append(
+                "strategy: oracle needs true state values, which only benchmark environments provide "
+                "(fix: set benchmark_only=true in a benchmark, or choose another strategy)"
+            )
+        _fail_if(problems)
+        return self
+
+
+class CriticConfig(_Section):
+    """Critic ensemble on frozen state features (method.md §9.1, §9.5)."""
+
+    members: int = Field(5, ge=2, description="M: ensemble heads (>= 2 to have a spread)")
+    hidden: int = Field(256, ge=1, description="hidden width of each head")
+    features_dim: int = Field(64, ge=1, description="dimension of the state features")
+    steps: int = Field(300, ge=1, description="gradient steps per fit, each on a minibatch of states")
+    lr: float = Field(3e-3, gt=0.0, description="Adam learning rate")
+    prior_precision: float = Field(
+        15.0, ge=0.0, description="Gaussian prior (L2) on head weights, relative to one observed return"
+    )
+    batch_size: int = Field(1024, ge=1, description="states per minibatch")
+    bootstrap: Literal["poisson", "none"] = Field(
+        "poisson", description="poisson: each head weights every observed return by Poisson(1)"
+    )
+    seed: int = Field(0, description="offset combined with the run seed for head init and bootstrap")
+
+
+class PPOConfig(_Section):
+    """Clipped policy update (method.md §2, §3.2, §9.6)."""
+
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="ε: ratio clipped to [1−ε, 1+ε_high]")
+    clip_eps_high: float | None = Field(None, gt=0.0, description="ε_high (clip-higher); default ε")
+    epochs: int = Field(2, ge=1, description="passes over the batch per iteration")
+    lr: float = Field(1e-6, gt=0.0, description="policy learning rate")
+    kl_coef: float = Field(0.0, ge=0.0, description="coefficient of the k3 KL-to-reference loss")
+    entropy_coef: float = Field(0.0, ge=0.0, description="coefficient of the entropy bonus")
+    loss_agg: Literal["token_mean", "constant"] = Field(
+        "token_mean", description="token_mean: sum / policy tokens; constant: sum / (C · sequences)"
+    )
+    constant_normaliser: int | None = Field(None, ge=1, description="C for loss_agg=constant (Dr.GRPO)")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="gradient norm clip")
+
+    @model_validator(mode="after")
+    def _check(self) -> PPOConfig:
+        problems = []
+        if self.loss_agg == "constant" and self.constant_normaliser is None:
+            problems.append(
+                "constant_normaliser: required when loss_agg is constant; Dr.GRPO uses the maximum "
+                "generated tokens per sequence (fix: set ppo.constant_normaliser)"
+            )
+        if self.loss_agg == "token_mean" and self.constant_normaliser is not None:
+            problems.append(
+                "constant_normaliser: only used with loss_agg=constant "
+                "(fix: remove it or set loss_agg=constant)"
+            )
+        _fail_if(problems)
+        return self
+
+
+# --- method presets ----------------------------------------------------------------------------------
+
+# What each method implies. A section mapped to None is one the method does not use.
+_METHOD_PRESETS: dict[str, dict[str, dict[str, Any] | None]] = {
+    "focus": {
+        "advantage": {"estimator": "segment_td_lambda"},
+        "acquisition": {"strategy": "ivr_greedy"},
+        "critic": {},
+    },
+    # VinePPO spreads its budget once: with no critic to refit, more rounds would change nothing.
+    "vineppo": {
+        "advantage": {"estimator": "vineppo"},
+        "acquisition": {"strategy": "uniform_all", "rounds": 1},
+        "critic": None,
+    },
+    # Group-relative advantages are already normalised per group: no second whitening over the batch.
+    "grpo": {"advantage": {"estimator": "grpo", "whiten": False}, "acquisition": None, "critic": None},
+    "dr_grpo": {
+        "advantage": {"estimator": "dr_grpo", "whiten": False},
+        "acquisition": None,
+        "critic": None,
+        "ppo": {"loss_agg": "constant"},
+    },
+    "rloo": {"advantage": {"estimator": "rloo", "whiten": False}, "acquisition": None, "critic": None},
+    "ppo_gae": {"advantage": {"estimator": "gae"}, "acquisition": None, "critic": {}},
+}
+
+_GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
+_BRANCHING_METHODS = ("focus", "vineppo")
+
+
+def method_defaults(method: str) -> dict[str, dict[str, Any] | None]:
+    """The section settings a method implies; a section mapped to None is not used by the method."""
+    if method not in _METHOD_PRESETS:
+        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+    return copy.deepcopy(_METHOD_PRESETS[method])
+
+
+class FocusConfig(_Section):
+    """The whole run configuration."""
+
+    method: MethodName = "focus"
+    seed: int = Field(0, description="run seed; every stage seed derives from it")
+    iterations: int = Field(10, ge=1, description="training iterations")
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    acquisition: AcquisitionConfig | None = Field(default_factory=AcquisitionConfig)
+    critic: CriticConfig | None = Field(default_factory=CriticConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_method_preset(cls, data: Any) -> Any:
+        """Fill the fields the user did not give from the method's preset."""
+        if not isinstance(data, dict):
+            return data
+        method = data.get("method", "focus")
+        if method not in _METHOD_PRESETS:
+            return data  # the Literal check on `method` reports it
+        filled = dict(data)
+        for section, preset in method_defaults(method).items():
+            if section not in filled:
+                filled[section] = preset
+            elif isinstance(preset, dict) and isinstance(filled[section], dict):
+                filled[section] = {**preset, **filled[section]}
+        return filled
+
+    @model_validator(mode="after")
+    def _check_method_combination(self) -> FocusConfig:
+        method, problems = self.method, []
+        estimator_of = {name: preset["advantage"]["estimator"] for name, preset in _METHOD_PRESETS.items()}
+        if self.advantage.estimator != estimator_of[method]:
+            method_of_estimator = {estimator: name for name, estimator in estimator_of.items()}
+            problems.append(
+                f"advantage.estimator: method {method} uses estimator {estimator_of[method]}, got "
+                f"{self.advantage.estimator} (fix: remove advantage.estimator, or use "
+                f"method={method_of_estimator[self.advantage.estimator]})"
+            )
+        if method in _GROUP_METHODS:
+            for section in ("acquisition", "critic"):
+                if getattr(self, section) is not None:
+                    problems.append(
+                        f"{section}: {method} is critic-free and does not branch, so the {section} "
+                        f"section would be ignored (fix: remove it or set {section}=null; "
+                        f"configs/grpo.yaml is a critic-free example)"
+                    )
+            if self.budget.group_size_grpo < 2:
+                problems.append(
+                    f"budget.group_size_grpo: {method} compares rollouts within a group, so a group of "
+                    f"{self.budget.group_size_grpo} gives no signal (fix: group_size_grpo >= 2)"
+                )
+        if method == "dr_grpo" and self.ppo.loss_agg != "constant":
+            problems.append(
+                "ppo.loss_agg: dr_grpo removes the per-sequence length bias with a constant normaliser "
+                "(fix: loss_agg=constant with ppo.constant_normaliser)"
+            )
+        if method == "ppo_gae":
+            if self.acquisition is not None:
+                problems.append(
+                    "acquisition: ppo_gae does not branch (fix: remove it or set acquisition=null)"
+                )
+            if self.critic is None:
+                problems.append("critic: ppo_gae needs a critic (fix: give the section or remove the null)")
+        if method == "focus":
+            for section in ("acquisition", "critic"):
+                if getattr(self, section) is None:
+                    problems.append(f"{section}: focus needs it (fix: give the section or remove the null)")
+        if method == "vineppo":
+            if self.acquisition is None:
+                problems.append("acquisition: vineppo branches (fix: give the section or remove the null)")
+            elif self.acquisition.strategy != "uniform_all":
+                problems.append(
+                    f"acquisition.strategy: vineppo spreads continuations uniformly over all states, got "
+                    f"{self.acquisition.strategy} (fix: strategy=uniform_all, or method=focus to compare "
+                    f"strategies)"
+                )
+            if self.critic is not None:
+                problems.append(
+                    "critic: vineppo uses Monte-Carlo values only (fix: remove it or set critic=null, "
+                    "e.g. use configs/vineppo.yaml)"
+                )
+        _fail_if(problems)
+        return self
+
+    @property
+    def uses_branches(self) -> bool:
+        """Whether the method spends a branch budget on continuations (stages acquire and branch)."""
+        return self.method in _BRANCHING_METHODS
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the method trains a critic ensemble."""
+        return self.critic is not None
+
+    @property
+    def main_group_size(self) -> int:
+        """Main rollouts per prompt: G_main for branching methods, G_grpo otherwise."""
+        return self.budget.group_size_main if self.uses_branches else self.budget.group_size_grpo
+
+
+# --- loading, overrides and error reporting ----------------------------------------------------------
+
+
+def validate_config(data: dict[str, Any]) -> FocusConfig:
+    """Build a FocusConfig from a plain dict, raising ConfigError with one line per problem."""
+    try:
+        return FocusConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> FocusConfig:
+    """Read a YAML config (None: all defaults), apply ``a.b=c`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = _parse_yaml(Path(path).read_text(), where=str(path))
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of config sections, got {type(loaded).__name__}"
+            )
+        data = loaded
+    for override in overrides:
+        _apply_override(data, override)
+    return validate_config(data)
+
+
+def config_to_dict(cfg: FocusConfig) -> dict[str, Any]:
+    """The resolved config as plain data; ``validate_config`` of it gives the same config back."""
+    return cfg.model_dump(mode="json")
+
+
+def dump_config(cfg: FocusConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (for run logs and reproducibility)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one ``a.b=c`` override in place; the value is parsed as YAML (numbers, bools, lists, null)."""
+    key_path, separator, raw_value = override.partition("=")
+    key_path = key_path.strip()
+    if not separator or not key_path:
+        raise ConfigError(f"override {override!r}: expected the form section.field=value, e.g. ppo.lr=1e-5")
+    keys = key_path.split(".")
+    model: type[BaseModel] = FocusConfig
+    target = data
+    for depth, key in enumerate(keys):
+        where = ".".join(keys[:depth]) or "the top level"
+        if key not in model.model_fields:
+            raise ConfigError(
+                f"override {override!r}: unknown key {'.'.join(keys[: depth + 1])!r}; "
+                f"valid keys at {where}: {', '.join(model.model_fields)}"
+            )
+        if depth == len(keys) - 1:
+            target[key] = _parse_yaml(raw_value, where=f"override {override!r}")
+            return
+        section_model = _section_model(model.model_fields[key].annotation)
+        if section_model is None:
+            raise ConfigError(
+                f"override {override!r}: {'.'.join(keys[: depth + 1])!r} is a value, not a section"
+            )
+        if not isinstance(target.get(key), dict):
+            target[key] = {}  # a missing or null section: the override creates it
+        target, model = target[key], section_model
+
+
+def _parse_yaml(text: str, *, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{where}: not valid YAML: {error}") from None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a section field (unwrapping ``X | None``), or None for a plain value."""
+    candidates = get_args(annotation) if get_origin(annotation) is not None else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _model_at(path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model class that holds the fields at ``path`` (a tuple of section names)."""
+    model: type[BaseModel] | None = FocusConfig
+    for key in path:
+        if model is None or key not in model.model_fields:
+            return None
+        model = _section_model(model.model_fields[key].annotation)
+    return model
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = tuple(str(part) for part in item["loc"])
+        path = ".".join(loc)
+        kind = item["type"]
+        if kind == "value_error":
+            # Our model validators report one problem per line, relative to their own model.
+            prefix = f"{path}." if path else ""
+            lines.extend(f"{prefix}{problem}" for problem in str(item["ctx"]["error"]).splitlines())
+        elif kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = ", ".join(model.model_fields) if model else "?"
+            lines.append(f"{path}: unknown field (allowed: {allowed})")
+        elif kind == "literal_error":
+            lines.append(f"{path}: got {item['input']!r} (allowed: {item['ctx']['expected']})")
+        else:
+            lines.append(f"{path}: {item['msg']} (got {item['input']!r})")
+    return "invalid config:\n" + "\n".join(f"  {line}" for line in dict.fromkeys(lines))

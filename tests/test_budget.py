@@ -1,0 +1,137 @@
+"""Token budget: the matched-budget arithmetic (T11) and a ledger that can never overspend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from focus_core.budget import BudgetExceeded, BudgetLedger, matched_budget
+from focus_core.schemas import BUDGET_KINDS, validate_table
+
+
+def test_t11_matched_budget():
+    total, branch = matched_budget(prompts=2, mean_episode_tokens=5000, group_size_grpo=8, group_size_main=4)
+    assert (total, branch) == (80_000, 40_000)
+
+
+def test_matched_budget_without_branching_leaves_nothing_for_branches():
+    total, branch = matched_budget(prompts=3, mean_episode_tokens=1000, group_size_grpo=8, group_size_main=8)
+    assert (total, branch) == (24_000, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ((2, 5000, 4, 8), "group_size_main \\(8\\) > group_size_grpo \\(4\\)"),
+        ((0, 5000, 8, 4), "must be >= 1"),
+        ((2, 0, 8, 4), "mean_episode_tokens must be > 0"),
+    ],
+)
+def test_matched_budget_rejects_impossible_inputs(args, expected):
+    with pytest.raises(ValueError, match=expected):
+        matched_budget(*args)
+
+
+def test_charges_are_summed_by_kind():
+    ledger = BudgetLedger(100)
+    ledger.charge("main", 40)
+    ledger.charge("branch", 25, round_idx=0)
+    ledger.charge("branch", 10, round_idx=1)
+    ledger.charge("summary", 5)
+    assert ledger.by_kind == {"main": 40, "branch": 35, "summary": 5}
+    assert (ledger.spent, ledger.remaining) == (80, 20)
+
+
+def test_by_kind_lists_every_kind_even_when_empty():
+    assert BudgetLedger(10).by_kind == dict.fromkeys(BUDGET_KINDS, 0)
+
+
+def test_charge_over_budget_raises_and_records_nothing():
+    ledger = BudgetLedger(100)
+    ledger.charge("main", 90)
+    with pytest.raises(BudgetExceeded, match="spent 90 of 100, asked 11"):
+        ledger.charge("branch", 11)
+    assert ledger.spent == 90 and ledger.by_kind["branch"] == 0
+
+
+def test_exact_fit_is_allowed():
+    ledger = BudgetLedger(100)
+    ledger.charge("main", 100)
+    assert ledger.remaining == 0 and ledger.can_afford(0) and not ledger.can_afford(1)
+
+
+def test_try_charge_charges_only_what_fits():
+    ledger = BudgetLedger(50)
+    assert ledger.try_charge("branch", 30)
+    assert not ledger.try_charge("branch", 30)
+    assert ledger.try_charge("branch", 20)
+    assert ledger.by_kind["branch"] == 50
+
+
+def test_unknown_kind_names_the_allowed_kinds():
+    with pytest.raises(ValueError, match="unknown budget kind 'tool'; allowed kinds: main, branch, summary"):
+        BudgetLedger(10).charge("tool", 1)
+    with pytest.raises(ValueError, match="unknown budget kind"):
+        BudgetLedger(10).try_charge("tool", 1)
+
+
+@pytest.mark.parametrize("tokens", [-1, 2.5, True, "3"])
+def test_token_counts_must_be_non_negative_ints(tokens):
+    with pytest.raises(ValueError, match="tokens must be a non-negative int"):
+        BudgetLedger(10).charge("main", tokens)
+
+
+def test_numpy_integers_are_accepted():
+    ledger = BudgetLedger(np.int64(10))
+    ledger.charge("main", np.int32(4))
+    assert ledger.spent == 4 and type(ledger.spent) is int
+
+
+def test_rows_validate_as_the_budget_ledger_table():
+    ledger = BudgetLedger(80_000)
+    ledger.charge("main", 40_000)
+    ledger.charge("branch", 12_000, round_idx=1)
+    ledger.charge("branch", 9_000, round_idx=0)
+    ledger.charge("summary", 500, round_idx=0)
+    rows = ledger.rows(run_id="run-a", iteration=2, policy_version=2)
+    assert [(row["round"], row["kind"], row["tokens"]) for row in rows] == [
+        (0, "main", 40_000),
+        (0, "branch", 9_000),
+        (0, "summary", 500),
+        (1, "branch", 12_000),
+    ]
+    table = validate_table("budget_ledger", pa.Table.from_pylist(rows))
+    assert table.column("budget").to_pylist() == [80_000] * 4
+    assert sum(table.column("tokens").to_pylist()) == ledger.spent
+
+
+CHARGES = st.lists(
+    st.tuples(st.sampled_from(BUDGET_KINDS), st.integers(0, 500), st.integers(0, 3), st.booleans()),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(budget=st.integers(0, 5000), charges=CHARGES)
+def test_ledger_never_exceeds_its_budget(budget, charges):
+    ledger = BudgetLedger(budget)
+    accepted = dict.fromkeys(BUDGET_KINDS, 0)
+    for kind, tokens, round_idx, use_try in charges:
+        fits = ledger.spent + tokens <= budget
+        if use_try:
+            assert ledger.try_charge(kind, tokens, round_idx=round_idx) is fits
+        elif fits:
+            ledger.charge(kind, tokens, round_idx=round_idx)
+        else:
+            with pytest.raises(BudgetExceeded):
+                ledger.charge(kind, tokens, round_idx=round_idx)
+        if fits:
+            accepted[kind] += tokens
+        assert 0 <= ledger.spent <= budget
+        assert ledger.spent + ledger.remaining == budget
+    assert ledger.by_kind == accepted
+    rows = ledger.rows(run_id="r", iteration=0, policy_version=0)
+    assert sum(row["tokens"] for row in rows) == ledger.spent

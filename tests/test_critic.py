@@ -1,0 +1,105 @@
+"""Ensemble critic: it learns values from (successes, trials), its members disagree where data is
+thin, it is deterministic for a seed, and checkpoints round-trip without pickles."""
+
+import numpy as np
+import pytest
+
+from focus_core.config import CriticConfig
+from focus_core.critic import CONFIG_FILE, WEIGHTS_FILE, EnsembleCritic, ensemble_covariance
+
+
+def _data(seed=0, states=600, features=8):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(states, features)).astype(np.float32)
+    true_value = 1 / (1 + np.exp(-(1.5 * x[:, 0] - x[:, 1])))
+    trials = rng.integers(1, 9, size=states)
+    successes = rng.binomial(trials, true_value)
+    return x, successes, trials, true_value
+
+
+CONFIG = CriticConfig(members=5, hidden=32, steps=300, batch_size=256, lr=1e-2)
+
+
+def make_critic(config=CONFIG):
+    return EnsembleCritic(config, n_features=8)
+
+
+def test_fit_learns_values_far_better_than_a_constant():
+    x, y, n, truth = _data()
+    critic = make_critic()
+    report = critic.fit(x, y, n)
+    mean, var = critic.predict(x)
+    constant_mse = np.mean((truth - (y.sum() / n.sum())) ** 2)
+    assert np.mean((mean - truth) ** 2) < 0.2 * constant_mse
+    assert report.states == 600 and report.trials == n.sum()
+    assert (var > 0).all() and ((mean > 0) & (mean < 1)).all()
+
+
+def test_members_disagree_less_as_data_grows():
+    """Epistemic variance is what acquisition spends on: it must shrink with more data."""
+    x, y, n, _ = _data(states=2400)
+    held_out = x[2000:]
+    variances = []
+    for size in (40, 2000):
+        critic = make_critic()
+        critic.fit(x[:size], y[:size], n[:size])
+        variances.append(np.mean(critic.predict(held_out)[1]))
+    assert variances[1] < 0.5 * variances[0]
+
+
+def test_fit_is_deterministic_for_a_seed_and_differs_across_seeds():
+    x, y, n, _ = _data()
+    a, b = make_critic(), make_critic()
+    a.fit(x, y, n)
+    b.fit(x, y, n)
+    np.testing.assert_array_equal(a.predict_members(x), b.predict_members(x))
+    c = make_critic(CONFIG.model_copy(update={"seed": 1}))
+    c.fit(x, y, n)
+    assert not np.allclose(a.predict_members(x), c.predict_members(x))
+
+
+def test_states_without_trials_are_ignored():
+    x, y, n, _ = _data(states=100)
+    n_masked, y_masked = n.copy(), y.copy()
+    n_masked[:30], y_masked[:30] = 0, 0
+    a = make_critic()
+    a.fit(x[30:], y[30:], n[30:])
+    b = make_critic()
+    # Different first-fit feature statistics aside, the data seen is the same: compare losses.
+    assert b.fit(x, y_masked, n_masked).trials == a.fit(x[30:], y[30:], n[30:]).trials
+
+
+def test_covariance_matches_numpy_and_has_jitter():
+    x, y, n, _ = _data(states=50)
+    critic = make_critic()
+    critic.fit(x, y, n)
+    members = critic.predict_members(x[:7])
+    expected = np.cov(members.T, ddof=1) + 1e-3 * np.eye(7)
+    np.testing.assert_allclose(critic.covariance(x[:7], jitter=1e-3), expected)
+    np.testing.assert_allclose(ensemble_covariance(members, jitter=0.0).diagonal(), members.var(0, ddof=1))
+
+
+def test_save_load_round_trip(tmp_path):
+    x, y, n, _ = _data(states=80)
+    critic = make_critic()
+    critic.fit(x, y, n)
+    critic.save(tmp_path / "critic")
+    assert {p.name for p in (tmp_path / "critic").iterdir()} == {CONFIG_FILE, WEIGHTS_FILE}
+    loaded = EnsembleCritic.load(tmp_path / "critic")
+    np.testing.assert_array_equal(loaded.predict_members(x), critic.predict_members(x))
+    assert loaded.config == critic.config and loaded.n_features == 8
+    loaded.fit(x, y, n, warm_start=True)  # keeps training from the loaded weights
+
+
+def test_bad_input_is_a_clear_error(tmp_path):
+    critic = make_critic()
+    with pytest.raises(ValueError, match=r"features of shape \[states, 8\]"):
+        critic.predict(np.zeros((3, 5)))
+    with pytest.raises(ValueError, match="successes <= trials"):
+        critic.fit(np.zeros((2, 8)), np.array([3, 0]), np.array([1, 1]))
+    with pytest.raises(ValueError, match="no state with trials > 0"):
+        critic.fit(np.zeros((2, 8)), np.zeros(2), np.zeros(2))
+    with pytest.raises(FileNotFoundError, match="no critic checkpoint"):
+        EnsembleCritic.load(tmp_path / "missing")
+    with pytest.raises(ValueError, match="members"):
+        CriticConfig(members=1)
