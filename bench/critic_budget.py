@@ -24,21 +24,21 @@ import os
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from focus_core.acquisition import (
     STRATEGIES,
-    BudgetRules,
     Candidates,
+    Request,
     advantage_sensitivity,
     allocate,
     combine_estimates,
 )
 from focus_core.advantages import segment_td_lambda_batch
-from focus_core.config import CriticConfig
+from focus_core.config import AcquisitionConfig, CriticConfig
 from focus_core.critic import EnsembleCritic
 from focus_core.envs.traps import ExactValueEnv, make_trap_env
 from focus_core.features import hashed_text_features, with_scalar_features
@@ -66,7 +66,8 @@ class Settings:
     feature_dim: int = 64
     # hidden 64 fits as well as 256 here (measured) and keeps the full grid within minutes
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(hidden=64, steps=300, lr=1e-2))
-    rules: BudgetRules = field(default_factory=lambda: BudgetRules(budget_tokens=0))
+    # chunk 2, cap 8, ε = 0.2, VinePPO K = 9, jitter 1e-4: the method defaults (method.md §9.7)
+    acquisition: AcquisitionConfig = field(default_factory=lambda: AcquisitionConfig(benchmark_only=True))
 
 
 class StateTable:
@@ -183,10 +184,10 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
             break
         members = critic.predict_members(table.feature_matrix(candidates))
         already = branch_data.padded(n_main)[1][candidates]
-        rules = replace(settings.rules, budget_tokens=(budget - spent) / (settings.rounds - round_idx),
-                        seed=seed * 1000 + round_idx)
-        alloc = allocate(strategy, Candidates(members, cost, weight, already=already,
-                                              true_value=truth[candidates]), rules)
+        request = Request(budget_tokens=(budget - spent) / (settings.rounds - round_idx),
+                          config=settings.acquisition.model_copy(update={"strategy": strategy}),
+                          seed=seed * 1000 + round_idx)
+        alloc = allocate(Candidates(members, cost, weight, already=already, true_value=truth[candidates]), request)
         for pos in np.flatnonzero(alloc.counts):
             state = candidates[pos]
             for _ in range(int(alloc.counts[pos])):
@@ -209,7 +210,7 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
     own_sum, own_n = critic_data.padded(len(table.states))
     mc_n = np.where(candidate_seg, branch_n[batch.state_idx], own_n[batch.state_idx])
     mc_sum = np.where(candidate_seg, branch_sum[batch.state_idx], own_sum[batch.state_idx])
-    value, _ = combine_estimates(mean, var + settings.rules.jitter, np.divide(mc_sum, np.maximum(mc_n, 1)), mc_n)
+    value, _ = combine_estimates(mean, var + settings.acquisition.jitter, np.divide(mc_sum, np.maximum(mc_n, 1)), mc_n)
     adv, _ = segment_td_lambda_batch(batch.rewards, segment_values(batch, value), batch.lengths, lam=settings.lam)
     adv_true, _ = segment_td_lambda_batch(batch.rewards, segment_values(batch, truth[batch.state_idx]),
                                           batch.lengths, lam=settings.lam)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from focus_core.acquisition import BudgetRules, Candidates, allocate
+from focus_core.acquisition import Candidates, Request, allocate
 from focus_core.advantages import segment_td_lambda_batch
 from focus_core.config import CriticConfig
 from focus_core.critic import EnsembleCritic
@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     states = 5000
     cost = rng.integers(50, 2000, size=states).astype(float)
     candidates = Candidates(rng.beta(2, 2, size=(5, states)), cost=cost, weight=rng.uniform(1, 2, states))
-    rules = BudgetRules(budget_tokens=0.5 * cost.sum() / 2.5)  # ≈ 0.5 × main tokens at 2.5 states/trajectory
-    allocation = allocate("ivr_greedy", candidates, rules)
+    request = Request(budget_tokens=0.5 * cost.sum() / 2.5)  # ≈ 0.5 × main tokens at 2.5 states/trajectory
+    allocation = allocate(candidates, request)  # the default strategy: ivr_greedy
     results["ivr_greedy"] = {
-        "candidates": states, "budget_tokens": rules.budget_tokens, "chunks_picked": len(allocation.picks),
+        "candidates": states, "budget_tokens": request.budget_tokens, "chunks_picked": len(allocation.picks),
         "states_branched": int((allocation.counts > 0).sum()), "target_s": 5.0,
-        "seconds": best_of(lambda: allocate("ivr_greedy", candidates, rules), args.repeats),
+        "seconds": best_of(lambda: allocate(candidates, request), args.repeats),
     }
 
     x = rng.normal(size=(10_000, 64)).astype(np.float32)

@@ -8,7 +8,10 @@ sample from each state. Every strategy obeys the same contract, checked in tests
 * continuations come in chunks of ``chunk_size`` and a state gets at most ``max_per_state`` in
   total, counting the ones it already got in earlier rounds (``uniform_all`` is VinePPO's fixed K
   per state and ignores the chunk size and cap);
-* the result depends only on the inputs and ``seed``.
+* the result depends only on the inputs and the request's ``seed``.
+
+Settings (chunk size, cap, ε share, VinePPO's K, jitter) come from ``AcquisitionConfig``; a
+``Request`` adds the token budget and the seed of one allocation.
 
 The strategies (method.md §7, §9.4):
 
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from focus_core.config import AcquisitionConfig
 
 VALUE_CLIP = (0.05, 0.95)  # v_a = μ(1−μ) is computed on μ clipped here, so no state looks noise-free
 
@@ -93,27 +98,16 @@ class Candidates:
 
 
 @dataclass(frozen=True)
-class BudgetRules:
+class Request:
+    """One allocation to make: the token budget, the acquisition settings and the random seed."""
+
     budget_tokens: float
-    chunk_size: int = 2
-    max_per_state: int = 8
-    eps_uniform: float = 0.2
-    vine_k: int = 9
-    jitter: float = 1e-4
+    config: AcquisitionConfig = field(default_factory=AcquisitionConfig)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.budget_tokens < 0:
             raise ValueError(f"budget_tokens must be >= 0, got {self.budget_tokens}")
-        if self.chunk_size < 1 or self.max_per_state < self.chunk_size:
-            raise ValueError(
-                f"need 1 <= chunk_size <= max_per_state, got chunk_size={self.chunk_size}, "
-                f"max_per_state={self.max_per_state}"
-            )
-        if not 0.0 <= self.eps_uniform <= 1.0:
-            raise ValueError(f"eps_uniform must be in [0, 1], got {self.eps_uniform}")
-        if self.vine_k < 1 or self.jitter <= 0:
-            raise ValueError("vine_k must be >= 1 and jitter > 0")
 
 
 @dataclass
@@ -134,11 +128,11 @@ class Allocation:
         self.picks.append(state)
 
 
-STRATEGIES: dict[str, Callable[[Candidates, BudgetRules], Allocation]] = {}
+STRATEGIES: dict[str, Callable[[Candidates, Request], Allocation]] = {}
 
 
 def register_strategy(name: str):
-    def add(fn: Callable[[Candidates, BudgetRules], Allocation]):
+    def add(fn: Callable[[Candidates, Request], Allocation]):
         if name in STRATEGIES:
             raise ValueError(f"acquisition strategy {name!r} is registered twice")
         STRATEGIES[name] = fn
@@ -147,16 +141,17 @@ def register_strategy(name: str):
     return add
 
 
-def allocate(strategy: str, candidates: Candidates, rules: BudgetRules) -> Allocation:
-    """Run the named strategy; the result is checked against the budget before it is returned."""
+def allocate(candidates: Candidates, request: Request) -> Allocation:
+    """Run ``request.config.strategy``; the result is checked against the budget before it is returned."""
+    strategy = request.config.strategy
     try:
         fn = STRATEGIES[strategy]
     except KeyError:
         raise ValueError(f"unknown acquisition strategy {strategy!r}; known: {', '.join(sorted(STRATEGIES))}") from None
-    allocation = fn(candidates, rules)
+    allocation = fn(candidates, request)
     spent = float(np.dot(allocation.counts, candidates.cost))
-    if spent > rules.budget_tokens * (1 + 1e-9):
-        raise AssertionError(f"{strategy} allocated {spent} tokens over a budget of {rules.budget_tokens}")
+    if spent > request.budget_tokens * (1 + 1e-9):
+        raise AssertionError(f"{strategy} allocated {spent} tokens over a budget of {request.budget_tokens}")
     return allocation
 
 
@@ -174,51 +169,52 @@ def _empty(n: int) -> Allocation:
 class _Budget:
     """Tracks the estimated tokens left and which states can still take a chunk."""
 
-    def __init__(self, candidates: Candidates, rules: BudgetRules, allocation: Allocation, limit: float):
+    def __init__(self, candidates: Candidates, request: Request, allocation: Allocation, limit: float):
         self.cost = np.asarray(candidates.cost, dtype=np.float64)
         self.already = candidates.already_counts
-        self.rules, self.allocation, self.limit = rules, allocation, limit
+        self.config, self.allocation, self.limit = request.config, allocation, limit
 
     def left(self) -> float:
         return self.limit - self.allocation.estimated_tokens
 
     def open_states(self, n: int | None = None) -> np.ndarray:
         """Boolean [S]: the state can take ``n`` more continuations (default one chunk)."""
-        n = self.rules.chunk_size if n is None else n
+        n = self.config.chunk_size if n is None else n
         fits = n * self.cost <= self.left() + 1e-9
-        under_cap = self.already + self.allocation.counts + n <= self.rules.max_per_state
+        under_cap = self.already + self.allocation.counts + n <= self.config.max_per_state
         return fits & under_cap
 
 
-def _spend_uniform_share(candidates: Candidates, rules: BudgetRules, allocation: Allocation,
+def _spend_uniform_share(candidates: Candidates, request: Request, allocation: Allocation,
                          rng: np.random.Generator, limit: float, reason: str) -> None:
     """Give chunks to uniformly random open states until ``limit`` estimated tokens are used."""
-    budget = _Budget(candidates, rules, allocation, limit)
+    budget = _Budget(candidates, request, allocation, limit)
     while True:
         open_idx = np.flatnonzero(budget.open_states())
         if open_idx.size == 0:
             return
         state = int(rng.choice(open_idx))
-        allocation.give(state, rules.chunk_size, budget.cost[state], reason)
+        allocation.give(state, request.config.chunk_size, budget.cost[state], reason)
 
 
-def _greedy(candidates: Candidates, rules: BudgetRules, allocation: Allocation,
+def _greedy(candidates: Candidates, request: Request, allocation: Allocation,
             gain_per_token: Callable[[], np.ndarray], on_pick: Callable[[int], None], reason: str) -> None:
     """Repeatedly give a chunk to the open state with the largest ``gain_per_token()``."""
-    budget = _Budget(candidates, rules, allocation, rules.budget_tokens)
+    budget = _Budget(candidates, request, allocation, request.budget_tokens)
     while True:
         open_mask = budget.open_states()
         if not open_mask.any():
             return
         scores = np.where(open_mask, gain_per_token(), -np.inf)
         state = int(np.argmax(scores))
-        allocation.give(state, rules.chunk_size, budget.cost[state], reason)
+        allocation.give(state, request.config.chunk_size, budget.cost[state], reason)
         on_pick(state)
 
 
-def _eps_share(candidates: Candidates, rules: BudgetRules, allocation: Allocation) -> None:
-    rng = np.random.default_rng(rules.seed)
-    _spend_uniform_share(candidates, rules, allocation, rng, rules.eps_uniform * rules.budget_tokens, "eps_uniform")
+def _eps_share(candidates: Candidates, request: Request, allocation: Allocation) -> None:
+    rng = np.random.default_rng(request.seed)
+    share = request.config.eps_uniform * request.budget_tokens
+    _spend_uniform_share(candidates, request, allocation, rng, share, "eps_uniform")
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,41 +223,41 @@ def _eps_share(candidates: Candidates, rules: BudgetRules, allocation: Allocatio
 
 
 @register_strategy("uniform_all")
-def uniform_all(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def uniform_all(candidates: Candidates, request: Request) -> Allocation:
     """VinePPO: ``vine_k`` continuations for each state, in random order, while the budget lasts."""
     allocation = _empty(candidates.n_states)
-    rng = np.random.default_rng(rules.seed)
-    left = rules.budget_tokens
+    rng = np.random.default_rng(request.seed)
+    left = request.budget_tokens
     for state in rng.permutation(candidates.n_states):
-        cost = rules.vine_k * float(candidates.cost[state])
+        cost = request.config.vine_k * float(candidates.cost[state])
         if cost <= left + 1e-9:
-            allocation.give(int(state), rules.vine_k, float(candidates.cost[state]), "uniform_all")
+            allocation.give(int(state), request.config.vine_k, float(candidates.cost[state]), "uniform_all")
             left -= cost
     return allocation
 
 
 @register_strategy("uniform_random")
-def uniform_random(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def uniform_random(candidates: Candidates, request: Request) -> Allocation:
     allocation = _empty(candidates.n_states)
-    rng = np.random.default_rng(rules.seed)
-    _spend_uniform_share(candidates, rules, allocation, rng, rules.budget_tokens, "uniform_random")
+    rng = np.random.default_rng(request.seed)
+    _spend_uniform_share(candidates, request, allocation, rng, request.budget_tokens, "uniform_random")
     return allocation
 
 
 @register_strategy("ensemble_std")
-def ensemble_std(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def ensemble_std(candidates: Candidates, request: Request) -> Allocation:
     """One chunk per state in order of decreasing ensemble std, in passes until the budget ends."""
     allocation = _empty(candidates.n_states)
     std = np.sqrt(candidates.variance)
     allocation.score[:] = std
-    _eps_share(candidates, rules, allocation)
-    budget = _Budget(candidates, rules, allocation, rules.budget_tokens)
+    _eps_share(candidates, request, allocation)
+    budget = _Budget(candidates, request, allocation, request.budget_tokens)
     order = np.argsort(-std, kind="stable")
     while True:
         progressed = False
         for state in order:
             if budget.open_states()[state]:
-                allocation.give(int(state), rules.chunk_size, budget.cost[state], "ensemble_std")
+                allocation.give(int(state), request.config.chunk_size, budget.cost[state], "ensemble_std")
                 progressed = True
         if not progressed:
             return allocation
@@ -273,11 +269,11 @@ def expected_error_reduction(prior_var: np.ndarray, outcome_var: np.ndarray, n: 
 
 
 @register_strategy("eer_diag")
-def eer_diag(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def eer_diag(candidates: Candidates, request: Request) -> Allocation:
     """Greedy on W_s [Δ(s, n+k) − Δ(s, n)] / (k c_s), each state's variance on its own."""
     allocation = _empty(candidates.n_states)
-    prior_var = candidates.variance + rules.jitter
-    outcome_var, k = candidates.outcome_variance, rules.chunk_size
+    prior_var = candidates.variance + request.config.jitter
+    outcome_var, k = candidates.outcome_variance, request.config.chunk_size
     per_token = candidates.weight / (k * np.asarray(candidates.cost, dtype=np.float64))
 
     def gain_per_token() -> np.ndarray:
@@ -288,8 +284,8 @@ def eer_diag(candidates: Candidates, rules: BudgetRules) -> Allocation:
         return gain * per_token
 
     allocation.score[:] = gain_per_token()
-    _eps_share(candidates, rules, allocation)
-    _greedy(candidates, rules, allocation, gain_per_token, lambda state: None, "eer_diag")
+    _eps_share(candidates, request, allocation)
+    _greedy(candidates, request, allocation, gain_per_token, lambda state: None, "eer_diag")
     return allocation
 
 
@@ -380,35 +376,35 @@ class IntegratedVariance:
 
 
 @register_strategy("ivr_greedy")
-def ivr_greedy(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def ivr_greedy(candidates: Candidates, request: Request) -> Allocation:
     """Greedy integrated variance reduction per token, with an ε-uniform share first (method.md §9.4)."""
     allocation = _empty(candidates.n_states)
     cost = np.asarray(candidates.cost, dtype=np.float64)
-    k = rules.chunk_size
+    k = request.config.chunk_size
     ivr = IntegratedVariance(candidates.member_predictions, candidates.weight,
-                             candidates.outcome_variance / k, rules.jitter)
+                             candidates.outcome_variance / k, request.config.jitter)
     allocation.score[:] = ivr.gains() / (k * cost)
-    _eps_share(candidates, rules, allocation)
+    _eps_share(candidates, request, allocation)
     for state in allocation.picks:  # what the ε share will observe is known: condition on it
         ivr.condition(state)
-    _greedy(candidates, rules, allocation, lambda: ivr.gains() / (k * cost), ivr.condition, "ivr_greedy")
+    _greedy(candidates, request, allocation, lambda: ivr.gains() / (k * cost), ivr.condition, "ivr_greedy")
     return allocation
 
 
 @register_strategy("neyman")
-def neyman(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def neyman(candidates: Candidates, request: Request) -> Allocation:
     """n_s ∝ sqrt(W_s v_a(s) / c_s), scaled to the budget, capped, rounded to whole chunks."""
     allocation = _empty(candidates.n_states)
     cost = np.asarray(candidates.cost, dtype=np.float64)
     share = np.sqrt(candidates.weight * candidates.outcome_variance / cost)
     allocation.score[:] = share
-    room = (rules.max_per_state - candidates.already_counts).clip(min=0)
-    k = rules.chunk_size
+    room = (request.config.max_per_state - candidates.already_counts).clip(min=0)
+    k = request.config.chunk_size
     # Water-filling: scale the ideal counts to the budget, freeze the states that hit the cap,
     # and rescale the rest with what is left, until nothing new hits the cap.
     ideal = np.zeros(candidates.n_states)
     free = (room >= k) & (share > 0)
-    left = rules.budget_tokens
+    left = request.budget_tokens
     while free.any():
         ideal[free] = share[free] * left / np.dot(share[free], cost[free])
         capped = free & (ideal >= room)
@@ -418,12 +414,12 @@ def neyman(candidates: Candidates, rules: BudgetRules) -> Allocation:
         left -= float(np.dot(room[capped], cost[capped]))
         free &= ~capped
     chunks = np.floor(ideal / k).astype(np.int64)
-    while np.dot(chunks * k, cost) > rules.budget_tokens + 1e-9:  # rounding safety
+    while np.dot(chunks * k, cost) > request.budget_tokens + 1e-9:  # rounding safety
         chunks[np.argmax(chunks * cost)] -= 1
     for state in np.flatnonzero(chunks):
         allocation.give(int(state), int(chunks[state]) * k, cost[state], "neyman")
     # Hand out the rounding remainder by the largest missing fraction of a chunk.
-    budget = _Budget(candidates, rules, allocation, rules.budget_tokens)
+    budget = _Budget(candidates, request, allocation, request.budget_tokens)
     for state in np.argsort(-(ideal / k - chunks), kind="stable"):
         if budget.open_states()[state]:
             allocation.give(int(state), k, cost[state], "neyman")
@@ -442,7 +438,7 @@ def shrinkage_squared_error(bias: np.ndarray, prior_var: np.ndarray, model_outco
 
 
 @register_strategy("oracle")
-def oracle(candidates: Candidates, rules: BudgetRules) -> Allocation:
+def oracle(candidates: Candidates, request: Request) -> Allocation:
     """Greedy reduction of the true squared error of the advantage value V̂ per token (benchmarks only)."""
     if candidates.true_value is None:
         raise ValueError("the oracle strategy needs Candidates.true_value (exact V^π); it is for benchmarks only")
@@ -450,9 +446,9 @@ def oracle(candidates: Candidates, rules: BudgetRules) -> Allocation:
     cost = np.asarray(candidates.cost, dtype=np.float64)
     truth = np.asarray(candidates.true_value, dtype=np.float64)
     bias = candidates.mean - truth
-    prior_var = candidates.variance + rules.jitter
+    prior_var = candidates.variance + request.config.jitter
     model_var, true_var = candidates.outcome_variance, truth * (1 - truth)
-    k = rules.chunk_size
+    k = request.config.chunk_size
 
     def gain_per_token() -> np.ndarray:
         n = allocation.counts.astype(np.float64)
@@ -461,7 +457,7 @@ def oracle(candidates: Candidates, rules: BudgetRules) -> Allocation:
         return candidates.weight * (before - after) / (k * cost)
 
     allocation.score[:] = gain_per_token()
-    _greedy(candidates, rules, allocation, gain_per_token, lambda state: None, "oracle")
+    _greedy(candidates, request, allocation, gain_per_token, lambda state: None, "oracle")
     return allocation
 
 

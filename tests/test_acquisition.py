@@ -7,14 +7,15 @@ from hypothesis import strategies as st
 
 from focus_core.acquisition import (
     STRATEGIES,
-    BudgetRules,
     Candidates,
     IntegratedVariance,
+    Request,
     advantage_sensitivity,
     allocate,
     combine_estimates,
     expected_error_reduction,
 )
+from focus_core.config import AcquisitionConfig
 from focus_core.critic import ensemble_covariance
 
 T9_MEMBERS = np.array([[0.2, 0.5, 0.9], [0.4, 0.5, 0.7], [0.3, 0.6, 0.8], [0.5, 0.4, 0.6]])
@@ -69,8 +70,13 @@ def test_t9_ivr_covariance_gains_and_three_picks():
     for _ in range(3):
         ivr.condition(2)
     np.testing.assert_allclose(ivr.diag, [0.010982, 0.005841, 0.010912], atol=1e-6)
-    first = allocate("ivr_greedy", cands, BudgetRules(budget_tokens=600, eps_uniform=0.0)).picks[0]
+    first = allocate(cands, request(600, eps_uniform=0.0)).picks[0]
     assert first == 2  # the highest gain per token
+
+
+def request(budget, strategy="ivr_greedy", seed=0, **settings):
+    config = AcquisitionConfig(strategy=strategy, benchmark_only=True, **settings)
+    return Request(budget_tokens=budget, config=config, seed=seed)
 
 
 def _dense_gains(sigma, w, noise):
@@ -122,17 +128,17 @@ def _random_candidates(rng, s):
 def test_every_strategy_respects_budget_cap_and_chunks_and_repeats_for_a_seed(seed, s, budget, chunk, eps):
     rng = np.random.default_rng(seed)
     cands = _random_candidates(rng, s)
-    rules = BudgetRules(budget_tokens=budget, chunk_size=chunk, max_per_state=8, eps_uniform=eps, seed=seed)
     for name in STRATEGIES:
-        alloc = allocate(name, cands, rules)
+        rules = request(budget, name, seed, chunk_size=chunk, max_per_state=8, eps_uniform=eps)
+        alloc = allocate(cands, rules)
         assert np.dot(alloc.counts, cands.cost) <= budget + 1e-6, name
         assert alloc.estimated_tokens == pytest.approx(np.dot(alloc.counts, cands.cost))
         if name == "uniform_all":
-            assert set(np.unique(alloc.counts)) <= {0, rules.vine_k}
+            assert set(np.unique(alloc.counts)) <= {0, rules.config.vine_k}
         else:
             assert (alloc.counts % chunk == 0).all(), name
-            assert (alloc.counts + cands.already_counts <= rules.max_per_state)[alloc.counts > 0].all(), name
-        again = allocate(name, cands, rules)
+            assert (alloc.counts + cands.already_counts <= 8)[alloc.counts > 0].all(), name
+        again = allocate(cands, rules)
         np.testing.assert_array_equal(alloc.counts, again.counts)
         assert (alloc.reason[alloc.counts > 0] != "").all()
 
@@ -141,7 +147,7 @@ def test_strategies_use_most_of_a_budget_when_states_are_plentiful():
     rng = np.random.default_rng(3)
     cands = Candidates(rng.random((5, 200)), cost=np.full(200, 10.0), weight=np.ones(200))
     for name in set(STRATEGIES) - {"oracle"}:
-        alloc = allocate(name, cands, BudgetRules(budget_tokens=1000))
+        alloc = allocate(cands, request(1000, name))
         assert alloc.estimated_tokens >= 1000 - 10 * 9, name  # at most one chunk (or vine) left unspent
 
 
@@ -152,25 +158,28 @@ def test_ivr_prefers_the_state_whose_error_is_shared_by_many():
     lone = np.array([0.0, 0.1, -0.1, 0.05, -0.05])
     members = 0.5 + np.stack([base, base, base, lone], axis=1)
     cands = Candidates(members, cost=np.ones(4), weight=np.ones(4))
-    alloc = allocate("ivr_greedy", cands, BudgetRules(budget_tokens=2, eps_uniform=0.0))
+    alloc = allocate(cands, request(2, eps_uniform=0.0))
     assert alloc.picks[0] in (0, 1, 2)
-    eer = allocate("eer_diag", cands, BudgetRules(budget_tokens=2, eps_uniform=0.0))
+    eer = allocate(cands, request(2, "eer_diag", eps_uniform=0.0))
     assert eer.score[3] == pytest.approx(eer.score[0])  # a diagonal rule cannot tell them apart
 
 
 def test_oracle_needs_true_values_and_goes_to_the_wrong_state():
     members = np.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.52]])
     with pytest.raises(ValueError, match="true_value"):
-        allocate("oracle", Candidates(members, cost=np.ones(3), weight=np.ones(3)), BudgetRules(budget_tokens=2))
+        allocate(Candidates(members, cost=np.ones(3), weight=np.ones(3)), request(2, "oracle"))
     cands = Candidates(members, cost=np.ones(3), weight=np.ones(3), true_value=np.array([0.5, 0.9, 0.5]))
-    assert allocate("oracle", cands, BudgetRules(budget_tokens=2)).picks == [1]
+    assert allocate(cands, request(2, "oracle")).picks == [1]
 
 
 def test_unknown_strategy_and_bad_rules_are_clear_errors():
-    cands = Candidates(np.random.default_rng(0).random((3, 4)), cost=np.ones(4), weight=np.ones(4))
-    with pytest.raises(ValueError, match="known: "):
-        allocate("thompson", cands, BudgetRules(budget_tokens=1))
+    with pytest.raises(ValueError, match="ivr_greedy"):
+        AcquisitionConfig(strategy="thompson")
     with pytest.raises(ValueError, match="chunk_size"):
-        BudgetRules(budget_tokens=1, chunk_size=4, max_per_state=2)
+        AcquisitionConfig(chunk_size=4, max_per_state=2)
+    with pytest.raises(ValueError, match="benchmark_only"):
+        AcquisitionConfig(strategy="oracle")
+    with pytest.raises(ValueError, match="budget_tokens"):
+        Request(budget_tokens=-1)
     with pytest.raises(ValueError, match="one entry per state"):
         Candidates(np.zeros((3, 4)), cost=np.ones(3), weight=np.ones(4))
