@@ -31,7 +31,7 @@ run: setup
 # What CI runs (.ci/run): lint, then every test, on both cores.
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest -n 2 -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q
 
 # Full benchmarks (minutes): the figures in the README.
 bench: setup

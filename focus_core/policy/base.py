@@ -1,0 +1,81 @@
+"""The policy interface the agent harness and the stages call, whatever the backend (``hf`` here, ``vllm`` later).
+
+Log-probabilities, everywhere in FOCUS, are ``log_softmax(raw logits)`` in fp32: the model's distribution at
+temperature 1 with no top-p truncation, whatever temperature and top-p were used to *sample*. They are what
+``score`` returns for the same tokens, which is what the PPO ratio, the KL estimate and the stored rollouts need
+(importance weights are always taken against the untempered model). A backend that can only report tempered or
+truncated log-probabilities must convert or re-score before it hands them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+from transformers import PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Generation:
+    """One sampled continuation of a prompt.
+
+    ``logprobs[i]`` is the fp32 log-probability of ``token_ids[i]`` under the raw logits (log_softmax at
+    temperature 1, no top-p): equal, within 1e-4, to what ``Policy.score`` returns for the same tokens.
+    ``finish_reason`` is ``"stop"`` when the last token is a stop token (it is included in ``token_ids``) and
+    ``"length"`` when ``max_new_tokens`` or the model's context ran out first.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A causal LM that samples continuations of token-id prompts and scores given continuations."""
+
+    tokenizer: PreTrainedTokenizerBase  # a fast tokenizer with a chat template (system/user/assistant/tool)
+    max_context: int  # prompt + generated tokens never exceed this
+    version: int  # the checkpoint's policy version (0 for a fresh model); bumped by ``load_weights``
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end an assistant turn (used when ``generate`` gets ``stop_token_ids=None``)."""
+        ...
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: set[int] | None = None,
+        seed: int | Sequence[int] = 0,
+    ) -> list[list[Generation]]:
+        """``n`` samples per prompt: ``result[i][j]`` is sample ``j`` of ``prompts[i]``.
+
+        ``temperature=0`` is greedy decoding. ``stop_token_ids=None`` means ``self.stop_token_ids``; pass an
+        empty set to disable stopping. A generation ends at its first stop token, which it includes.
+        Deterministic for a seed: sample ``j`` of prompt ``i`` draws its randomness from ``(seed, i, j)``, or from
+        ``(seed[i], j)`` when ``seed`` is one integer per prompt, so it does not depend on the other prompts in
+        the batch (up to float rounding of the batched forward).
+        """
+        ...
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+        """Teacher-forced fp32 log-probabilities of ``completion_ids`` after ``prompt_ids`` (one per token)."""
+        ...
+
+    def load_weights(self, path: str | Path, version: int | None = None) -> None:
+        """Load a checkpoint folder written by ``save`` (same architecture) and set ``version``."""
+        ...
+
+    def save(self, path: str | Path) -> None:
+        """Write model, tokenizer and version to a Hugging Face folder (safetensors)."""
+        ...

@@ -1,0 +1,148 @@
+"""Agent harness: exact token recording, error observations, context compression, branching, expert."""
+
+import numpy as np
+import pytest
+
+from focus_core.agent.harness import AgentRunner, SegmentStart
+from focus_core.agent.scripted import ScriptedActor, random_action
+from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.config import AgentConfig
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult
+from focus_core.policy.models import tiny_policy
+from focus_core.policy.tokenizer import train_tokenizer
+
+VALUES = {"alpha": "17", "beta": "42", "gamma": "8"}
+
+
+class LookupEnv(ToolEnv):
+    """Two hops: `look(key)` names the next key or gives the value; `answer(text)` ends the episode."""
+
+    name = "lookup_test"
+    tools = (
+        ToolSpec("look", "read a card", (("key", "string", "card name"),), ("key",)),
+        ToolSpec("answer", "final answer", (("text", "string", "the answer"),), ("text",)),
+    )
+
+    def tasks(self, split, tier="default"):
+        return [Task(f"t{i}", self.name, split, tier, "Find the value behind card alpha.", "42", "beta")
+                for i in range(3)]
+
+    def run_tool(self, call):
+        if call.name == "answer":
+            return ToolResult("Correct." if call.arguments["text"] == "42" else "Wrong.",
+                              reward=float(call.arguments["text"] == "42"), done=True)
+        key = call.arguments["key"]
+        if key not in VALUES:
+            raise ToolFailure(f"no card {key!r}")
+        return ToolResult("see card beta" if key == "alpha" else f"value {VALUES[key]}")
+
+    def expert_action(self, task, history):
+        seen = " ".join(observation for _, observation in history)
+        if "value 42" in seen:
+            return ToolCall("answer", {"text": "42"}).render()
+        if "see card beta" in seen:
+            return ToolCall("look", {"key": "beta"}).render()
+        return ToolCall("look", {"key": "alpha"}).render()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    env = LookupEnv()
+    corpus = [env.system_prompt(), 'look(key="alpha") answer(text="42") see card beta value 17 42 8 Wrong. Correct.']
+    return train_tokenizer(corpus * 5, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def policy(tokenizer):
+    return tiny_policy(tokenizer, layers=1, hidden=32, heads=2, intermediate=64, max_context=1024)
+
+
+def _expert(tokenizer, **kw):
+    return ScriptedActor(tokenizer, tokenizer.convert_tokens_to_ids("<|end|>"), **kw)
+
+
+def test_policy_turns_record_exact_tokens_and_logprobs(policy):
+    runner = AgentRunner(policy, LookupEnv, AgentConfig(max_turns=3, max_action_tokens=12, compress_every_turns=2))
+    episodes = runner.run(LookupEnv().tasks("train"), seed=1)
+    for episode in episodes:
+        prefix: list[int] = []
+        for turn in episode.turns:
+            if turn.role == "context" and turn.turn_idx == episode.starts[turn.segment_idx].turn_idx and (
+                    turn.token_ids == list(episode.starts[turn.segment_idx].context_ids)):
+                prefix = []  # a segment (re)starts: the working context is this context alone
+            if turn.role in ("policy", "summary"):
+                assert turn.loss_mask == [1] * len(turn.token_ids)
+                scored = policy.score(prefix, turn.token_ids)
+                np.testing.assert_allclose(scored, turn.logprobs, atol=1e-4)
+            else:
+                assert turn.loss_mask == [0] * len(turn.token_ids)
+            prefix += turn.token_ids
+        assert episode.truncated or episode.done
+        assert sum(episode.segment_rewards()) == episode.reward
+        assert sum(episode.segment_token_counts()) == episode.generated_tokens
+
+
+def test_untrained_policy_gets_error_observations_not_exceptions(policy):
+    runner = AgentRunner(policy, LookupEnv, AgentConfig(max_turns=2, max_action_tokens=8))
+    (episode,) = runner.run(LookupEnv().tasks("train")[:1])
+    tool_turns = [t for t in episode.turns if t.role == "tool"]
+    assert tool_turns and all(t.text.startswith("Error:") for t in tool_turns)
+    assert episode.truncated and episode.reward == 0.0
+
+
+def test_expert_solves_and_compression_makes_branchable_segments(tokenizer):
+    config = AgentConfig(max_turns=6, compress_every_turns=1, compression="policy")
+    runner = AgentRunner(_expert(tokenizer), LookupEnv, config)
+    (episode,) = runner.run(LookupEnv().tasks("train")[:1])
+    assert episode.done and episode.reward == 1.0 and episode.n_tool_calls == 3
+    assert episode.n_segments == 3  # a summary after each of the first two calls
+    summaries = [t for t in episode.turns if t.is_compression]
+    assert len(summaries) == 2 and all(t.role == "summary" and sum(t.loss_mask) > 0 for t in summaries)
+    for start in episode.starts:
+        assert list(start.context_ids) == runner.renderer.render(start.messages, generation_prompt=True)
+    assert "see card beta" in episode.starts[1].messages[-1]["content"]  # the summary carries the notes
+
+    # Branch: four continuations from the second segment's start all finish from there.
+    start: SegmentStart = episode.starts[1]
+    branches = runner.run(starts=[start] * 4)
+    assert all(b.parent_state is start and b.starts[0] is start and b.reward == 1.0 for b in branches)
+    # Turn indices continue from the state (the expert, which only sees the branch's own history,
+    # re-checks card alpha, so it may take an extra call).
+    assert all(b.turns[0].turn_idx == start.turn_idx and b.turns[-1].turn_idx > start.turn_idx for b in branches)
+
+
+def test_notes_compression_generates_no_tokens(tokenizer):
+    runner = AgentRunner(_expert(tokenizer), LookupEnv, AgentConfig(compress_every_turns=1, compression="notes"))
+    (episode,) = runner.run(LookupEnv().tasks("train")[:1])
+    assert episode.n_segments == 3 and not any(t.role == "summary" for t in episode.turns)
+
+
+def test_random_actor_and_mistakes(tokenizer):
+    env = LookupEnv()
+    task = env.tasks("train")[0]
+    rng = np.random.default_rng(0)
+    texts = [random_action(env, task, [], rng) for _ in range(20)]
+    assert all(t.startswith(("look(", "answer(")) for t in texts)
+    runner = AgentRunner(_expert(tokenizer, mistake_rate=1.0, seed=3), LookupEnv, AgentConfig(max_turns=5))
+    episodes = runner.run(env.tasks("train"))
+    assert np.mean([e.reward for e in episodes]) < 0.5
+    with pytest.raises(ValueError, match="mistake_rate"):
+        _expert(tokenizer, mistake_rate=2.0)
+
+
+def test_branches_from_one_state_share_one_generate_call(policy):
+    calls = []
+    original = policy.generate
+
+    def counting(prompts, **kw):
+        calls.append((len(prompts), kw["n"]))
+        return original(prompts, **kw)
+
+    runner = AgentRunner(policy, LookupEnv, AgentConfig(max_turns=1, max_action_tokens=4))
+    start = runner.initial_state(LookupEnv().tasks("train")[0], LookupEnv())
+    policy.generate = counting
+    try:
+        runner.run(starts=[start] * 5)
+    finally:
+        del policy.generate
+    assert calls == [(1, 5)]

@@ -1,0 +1,282 @@
+"""Code localization: mutants, tasks, splits, sandboxed tools, expert and random play, data integrity.
+
+Most tests use a quick environment over three modules (generated in seconds, then cached under FOCUS_DATA_DIR).
+The ``slow`` tests use the full default tier; its first generation takes a few minutes (then it is cached).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from itertools import zip_longest
+from pathlib import Path
+
+import pytest
+
+from focus_core.agent.toolcall import ToolCall
+from focus_core.envs import code_localization as cl
+from focus_core.envs import code_mutations as cm
+from focus_core.envs.base import ENVIRONMENTS
+
+QUICK = ("textwrap", "colorsys", "pipes")  # pipes is a held-out module, the others train
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick() -> cl.CodeLocalizationEnv:
+    return cl.CodeLocalizationEnv(modules=QUICK)
+
+
+@pytest.fixture(scope="module")
+def full() -> cl.CodeLocalizationEnv:
+    return cl.CodeLocalizationEnv()
+
+
+def test_registered():
+    assert ENVIRONMENTS["code_localization"] is cl.CodeLocalizationEnv
+
+
+def play(env, task, policy, max_turns: int = 30):
+    """Run one episode; return (reward, turns, transcript of (action, observation), info of the last step)."""
+    observation, history, info = env.reset(task), [], {}
+    for _ in range(max_turns):
+        action = policy(task, history, observation)
+        observation, reward, done, info = env.step(action)
+        history.append((action, observation))
+        if done:
+            return reward, len(history), history, info
+    return 0.0, len(history), history, info
+
+
+def expert(env):
+    return lambda task, history, _: env.expert_action(task, history)
+
+
+def random_agent(env, seed: int):
+    """A random tool with arguments made of random words from the prompt and the last observation."""
+    rng = random.Random(seed)
+
+    def act(task, history, observation):
+        words = re.findall(r"[\w./:]+", task.prompt + " " + observation) or ["x"]
+        spec = rng.choice(env.tools)
+        args = {name: rng.randint(0, 50) if kind == "integer" else " ".join(rng.sample(words, min(2, len(words))))
+                for name, kind, _ in spec.parameters if name in spec.required or rng.random() < 0.5}
+        return ToolCall(spec.name, args).render()
+
+    return act
+
+
+# -- mutations --------------------------------------------------------------------------------------------------
+
+SAMPLE = '''def f(a, b=2, flag=True):
+    """Doc."""
+    total = 0
+    if a < b and flag:
+        total = a - b
+    else:
+        total = b % 3
+    return total
+'''
+
+
+def test_mutants_are_minimal_verified_edits():
+    found = cm.mutants(SAMPLE, "f", seed="t", limit=100)
+    ops = {m.op for m in found}
+    assert ops == {"flip_comparison", "off_by_one", "swap_operands", "invert_condition", "drop_statement",
+                   "change_default", "swap_and_or"}
+    for mutant in found:
+        mutated = mutant.apply(SAMPLE)
+        assert ast.dump(ast.parse(mutated)) != ast.dump(ast.parse(SAMPLE))
+        assert '"""Doc."""' in mutated  # the docstring is never dropped
+        changed = [i for i, (x, y) in enumerate(zip_longest(SAMPLE.splitlines(), mutated.splitlines())) if x != y]
+        assert changed and changed[0] + 1 == mutant.line
+    assert [m.replacement for m in found] == [m.replacement for m in cm.mutants(SAMPLE, "f", seed="t", limit=100)]
+
+
+def test_records_come_from_failing_real_tests(quick):
+    records = cm.load_records(QUICK)["textwrap"]
+    assert records
+    for record in records[:20]:
+        assert record["failures"] and all(f["test_id"].startswith("test.test_textwrap.") for f in record["failures"])
+        text = json.dumps(record)
+        assert str(cm.stdlib_dir()) not in text and sys.base_prefix not in text
+
+
+# -- tasks and splits -------------------------------------------------------------------------------------------
+
+def test_tasks_are_deterministic_across_processes(quick):
+    here = [(t.task_id, t.prompt, t.answer, t.split) for t in quick.tasks("train") + quick.tasks("heldout")]
+    code = ("import json; from focus_core.envs.code_localization import CodeLocalizationEnv as E; e = E(modules="
+            f"{QUICK!r}); print(json.dumps([(t.task_id, t.prompt, t.answer, t.split) for t in "
+            "e.tasks('train') + e.tasks('heldout')]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert [tuple(row) for row in json.loads(out.stdout)] == here
+    assert here and len({row[0] for row in here}) == len(here)
+
+
+def test_quick_split_is_by_module(quick):
+    train, heldout = quick.tasks("train"), quick.tasks("heldout")
+    assert train and heldout
+    assert {t.facts["module"] for t in heldout} == {"pipes"}
+    assert not {t.answer for t in train} & {t.answer for t in heldout}
+
+
+@pytest.mark.slow
+def test_full_default_tier_counts_and_disjoint_splits(full):
+    train, heldout = full.tasks("train"), full.tasks("heldout")
+    assert len(train) >= 500 and len(heldout) >= 100
+    assert not {t.split_key for t in train} & {t.split_key for t in heldout}
+    assert not {t.answer for t in train} & {t.answer for t in heldout}
+    assert all(len(t.prompt) <= 300 for t in train + heldout)
+
+
+@pytest.mark.slow
+def test_full_expert_solves_heldout_and_random_fails(full):
+    heldout = full.tasks("heldout")
+    sample = random.Random(0).sample(heldout, 100)
+    results = [play(full, task, expert(full)) for task in sample]
+    assert sum(r for r, *_ in results) / len(results) >= 0.9
+    turns = sorted(n for _, n, *_ in results)
+    assert 6 <= turns[len(turns) // 2] <= 20
+    for _, _, history, _ in results:
+        assert all(len(obs) <= 350 for _, obs in history)
+    random_wins = sum(play(full, task, random_agent(full, i), max_turns=20)[0] for i, task in enumerate(sample))
+    assert random_wins / len(sample) <= 0.05
+
+
+# -- expert, random agent, observations -------------------------------------------------------------------------
+
+def test_expert_solves_quick_tasks_within_limits(quick):
+    tasks = quick.tasks("heldout") + quick.tasks("train")[:20]
+    for task in tasks:
+        assert len(task.prompt) <= 300
+        reward, turns, history, info = play(quick, task, expert(quick))
+        assert reward == 1.0 and info["function_hit"] and info["file_hit"]
+        assert 6 <= turns <= 20
+        assert all(len(obs) <= 350 and not obs.startswith("Error") for _, obs in history)
+        assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
+
+
+def test_expert_recovers_from_injected_mistakes(quick):
+    rng, solved = random.Random(1), 0
+    tasks = quick.tasks("heldout")[:10] + quick.tasks("train")[:10]
+    for i, task in enumerate(tasks):
+        noise = random_agent(quick, i)
+
+        def mistaken(task, history, observation, noise=noise):
+            return noise(task, history, observation) if rng.random() < 0.3 else quick.expert_action(task, history)
+
+        reward, *_ = play(quick, task, mistaken, max_turns=40)
+        solved += reward
+    assert solved / len(tasks) >= 0.9
+
+
+def test_random_agent_mostly_fails(quick):
+    tasks = quick.tasks("train") + quick.tasks("heldout")
+    wins = sum(play(quick, task, random_agent(quick, i), max_turns=20)[0] for i, task in enumerate(tasks))
+    assert wins / len(tasks) <= 0.05
+
+
+def test_hard_tier_uses_tracebacks_and_is_solvable(quick):
+    tasks = quick.tasks("train", tier="hard")
+    assert tasks and all("Traceback" in t.prompt for t in tasks[:10])
+    for task in tasks[:5]:
+        reward, turns, *_ = play(quick, task, expert(quick))
+        assert reward == 1.0 and turns >= 4
+
+
+# -- tools: errors, sandbox, rewards ----------------------------------------------------------------------------
+
+@pytest.fixture
+def episode(quick, tmp_path, monkeypatch):
+    monkeypatch.setattr(cl, "_workspace_dir", lambda: tmp_path / "ws")  # a planted link must not outlive the test
+    task = quick.tasks("train")[0]
+    quick.reset(task)
+    return quick, task
+
+
+BAD_CALLS = [
+    "no call at all", "frobnicate(x=1)", "open(", 'open(path="lib/textwrap.py", start="two")', "grep()",
+    'open(path="lib/textwrap.py", start=0)', 'open(path="lib/textwrap.py", start=99999)', 'open(path="lib")',
+    'open(path="lib/nope.py")', 'ls(path="lib/textwrap.py")', 'ls(path="lib", start=500)', 'grep(pattern="")',
+    'submit(location="textwrap.dedent")', 'search(query="   ")', 'open(path="' + "a/" * 300 + '")',
+    'grep(pattern="' + "x" * 500 + '")', '<tool_call>{"name": "ls", "arguments": 3}</tool_call>',
+    'open(path="lib/\\u0000x")', 'open(path="' + "b" * 150 + '/' + "c" * 150 + '")',
+]
+
+
+@pytest.mark.parametrize("call", BAD_CALLS)
+def test_bad_calls_are_error_observations(episode, call):
+    env, _ = episode
+    observation, reward, done, _ = env.step(call)
+    assert observation.startswith("Error:") and reward == 0.0 and not done
+    assert len(observation) <= 350
+
+
+def test_huge_outputs_are_paginated(episode):
+    env, _ = episode
+    for call in ('grep(pattern="e")', 'grep(pattern="self", path="tests")', 'ls(path="lib")', 'search(query="a")',
+                 'open(path="tests/test_textwrap.py", start=1)'):
+        observation, _, done, _ = env.step(call)
+        assert not observation.startswith("Error") and len(observation) <= 350 and not done
+
+
+ESCAPES = ["/etc/passwd", "../", "../../etc", "lib/../../x", "~/x", "lib/../..", "C:/Windows", "\\\\server\\x",
+           "lib/escape", "lib/escape/os.py", "lib/escape_file"]
+
+
+def test_paths_cannot_leave_the_private_copy(episode):
+    env, task = episode
+    env.step('ls(path=".")')  # makes the private copy
+    root = env.root
+    (root / "lib" / "escape").symlink_to(cm.stdlib_dir())  # a link planted inside the copy
+    (root / "lib" / "escape_file").symlink_to(cm.source_path("textwrap"))
+    secrets = [str(cm.stdlib_dir()), sys.base_prefix, str(root), "/root", os.path.expanduser("~")]
+    for path in ESCAPES:
+        for call in (ToolCall("open", {"path": path}), ToolCall("ls", {"path": path}),
+                     ToolCall("grep", {"pattern": "import", "path": path})):
+            observation, _, _, _ = env.step(call.render())
+            assert observation.startswith("Error:"), (call, observation)
+            assert not any(s in observation for s in secrets if len(s) > 1)
+    for call in ('grep(pattern="import os", path=".")', 'ls(path="lib")'):
+        observation, *_ = env.step(call)
+        assert "escape" not in observation  # links are neither listed nor followed
+    assert str(root) not in json.dumps(task.facts) and str(cm.stdlib_dir()) not in task.prompt
+
+
+def test_private_copy_holds_the_mutant(episode):
+    env, task = episode
+    env.step('ls(path=".")')
+    facts = task.facts
+    mutated = (env.root / facts["path"]).read_text()
+    pristine = cm.source_path(facts["module"]).read_text()
+    assert mutated != pristine
+    first = next(i for i, (a, b) in enumerate(zip_longest(mutated.splitlines(), pristine.splitlines())) if a != b)
+    assert facts["def_line"] <= first + 1 <= facts["def_line"] + (facts["mutated_line"] - facts["def_line"]) + 1
+    assert (env.root / "tests" / "test_textwrap.py").read_text() == cm.test_path("textwrap").read_text()
+    observation, *_ = env.step('ls(path="lib")')
+    assert observation.startswith("lib/:") and "textwrap.py" in observation and ":" not in observation[5:]
+
+
+def test_submit_rewards_only_the_mutated_function(episode):
+    env, task = episode
+    path = task.answer.split("::")[0]
+    observation, reward, done, info = env.step(f'submit(location="{path}::not_the_function")')
+    assert (reward, done, info["file_hit"], info["function_hit"]) == (0.0, True, True, False)
+    assert env.step(f'submit(location="{task.answer}")')[0].startswith("Error: the episode is over")
+    env.reset(task)
+    observation, reward, done, info = env.step(f'submit(location="./{task.answer}")')
+    assert (reward, done, info["function_hit"]) == (1.0, True, True)
+
+
+# -- data integrity ---------------------------------------------------------------------------------------------
+
+def test_wrong_source_hash_fails_clearly(monkeypatch):
+    monkeypatch.setattr(cm, "SOURCES_SHA256", "0" * 64)
+    with pytest.raises(cm.DataError, match=r"CPython 3\.11\.7"):
+        cl.CodeLocalizationEnv(modules=QUICK).tasks("train")

@@ -1,0 +1,42 @@
+"""SFT warm start: demonstrations are recorded by the harness, segments become labelled sequences,
+and fine-tuning on them teaches a tiny model the expert's moves."""
+
+import numpy as np
+
+from focus_core.agent.harness import AgentRunner
+from focus_core.agent.sft import IGNORE, record_demonstrations, segment_sequences, supervised_finetune
+from focus_core.config import AgentConfig
+from focus_core.policy.models import tiny_policy
+from focus_core.policy.tokenizer import train_tokenizer
+from tests.test_agent_harness import LookupEnv
+
+
+def test_segment_sequences_label_only_policy_tokens():
+    env = LookupEnv()
+    tokenizer = train_tokenizer([env.system_prompt(), 'look(key="alpha") answer(text="42") see card beta'] * 4,
+                                vocab_size=400)
+    config = AgentConfig(compress_every_turns=2)
+    episodes = record_demonstrations(LookupEnv, env.tasks("train"), tokenizer, config, mistake_rate=0.0)
+    sequences = segment_sequences(episodes)
+    assert len(sequences) == sum(e.n_segments for e in episodes)
+    for episode in episodes:
+        generated = sum(t.generated_tokens for t in episode.turns)
+        assert generated == episode.generated_tokens > 0
+    for ids, labels in sequences:
+        assert len(ids) == len(labels)
+        assert all(label in (IGNORE, token) for token, label in zip(ids, labels, strict=True))
+
+
+def test_finetuning_on_demonstrations_makes_the_tiny_model_solve_the_task():
+    env = LookupEnv()
+    tokenizer = train_tokenizer([env.system_prompt(), 'look(key="alpha") look(key="beta") answer(text="42") '
+                                 "see card beta value 42 Correct."] * 4, vocab_size=420)
+    config = AgentConfig(max_turns=4, max_action_tokens=24, compress_every_turns=8)
+    policy = tiny_policy(tokenizer, layers=2, hidden=64, heads=2, intermediate=128, max_context=512)
+    before = AgentRunner(policy, LookupEnv, config).run(env.tasks("heldout"), seed=0)
+    demos = record_demonstrations(LookupEnv, env.tasks("train") * 4, tokenizer, config, mistake_rate=0.0)
+    report = supervised_finetune(policy.model, segment_sequences(demos), lr=1e-2, epochs=150, max_seconds=90)
+    after = AgentRunner(policy, LookupEnv, config).run(env.tasks("heldout"), seed=0)
+    assert np.mean([e.reward for e in before]) == 0.0
+    assert report.final_loss < 0.05 and report.steps > 10
+    assert np.mean([e.reward for e in after]) >= 2 / 3
