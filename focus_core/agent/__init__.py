@@ -1,0 +1,1 @@
+"""The agent side: tool-call grammar, harness with context manager, scripted actors, SFT."""
