@@ -3,6 +3,7 @@
     focus bench critic-budget [--quick] [--json PATH] [--plot PATH]   critic error vs branch budget
     focus bench speed [--json PATH]                                  speed of the algorithm library
     focus bench branching [--json PATH]                              prefix reuse when branching (hf)
+    focus bench envs [--json PATH]                                   the embedded agent environments
 
 Each benchmark's own options follow its name (`focus bench critic-budget --help`).
 """
@@ -36,6 +37,12 @@ def _bench_speed(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _bench_envs(argv: Sequence[str]) -> int:
+    from bench.envs import main
+
+    return main(argv)
+
+
 def _bench_branching(argv: Sequence[str]) -> int:
     from bench.branching import main
 
@@ -45,6 +52,7 @@ def _bench_branching(argv: Sequence[str]) -> int:
 BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "critic-budget": (_bench_critic_budget, "critic and advantage error vs continuation budget, per strategy"),
     "speed": (_bench_speed, "speed of TD(λ), IVR acquisition and critic fitting"),
+    "envs": (_bench_envs, "expert and random success, turns and tokens of the embedded environments"),
     "branching": (_bench_branching, "continuations from a long vs a short state with the hf backend"),
 }
 

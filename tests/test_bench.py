@@ -37,3 +37,12 @@ def test_same_seed_same_rows():
     b = critic_budget.run_seed("lookup_chain", 3, [0.5], ["ivr_greedy"], settings)
     strip = [{k: v for k, v in row.items() if k != "seconds"} for row in a]
     assert strip == [{k: v for k, v in row.items() if k != "seconds"} for row in b]
+
+
+def test_envs_benchmark_reports_expert_and_random(tmp_path):
+    out = tmp_path / "envs.json"
+    assert focus_main(["bench", "envs", "--envs", "deep_search", "--episodes", "8", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["expert_success"] == 1.0 and row["random_success"] <= 0.25
+    assert row["train_tasks"] >= 500 and row["heldout_tasks"] >= 100
+    assert 6 <= row["median_turns"] <= 20
