@@ -15,7 +15,6 @@ Every continuation runs its full 64 tokens (no stop tokens), so the timings comp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sysconfig
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench import emit_json
 from focus_core.policy import HFPolicy, load_policy, smollm2_available, train_tokenizer
 
 
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"] = {
         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_1min": os.getloadavg()[0]
     }
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+    emit_json(results, args.json)
     return 0
 
 

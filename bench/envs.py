@@ -12,13 +12,13 @@ tokenizer the tiny default model uses). Episodes run through ``AgentRunner`` wit
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bench import emit_json
 from focus_core.agent.harness import AgentRunner
 from focus_core.agent.scripted import ScriptedActor
 from focus_core.config import AgentConfig
@@ -73,11 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     results = [measure(name, args.episodes, args.seed) for name in args.envs]
-    text = json.dumps({"results": results}, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+    emit_json({"results": results}, args.json)
     return 0
 
 

@@ -12,7 +12,6 @@ Each figure is the best of `--repeats` runs (wall-clock seconds), next to its ta
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import emit_json
 from focus_core.acquisition import Candidates, Request, allocate
 from focus_core.advantages import segment_td_lambda_batch
 from focus_core.config import CriticConfig
@@ -81,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if "target_s" in entry:
             entry["meets_target"] = entry["seconds"] <= entry["target_s"]
     results["machine"] = {"torch_threads": torch.get_num_threads()}
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+    emit_json(results, args.json)
     return 0
 
 
