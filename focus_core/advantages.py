@@ -415,13 +415,18 @@ def broadcast_segments(segment_advantages: Array, segment_token_counts: Array, t
 
 
 def whiten(advantages: Array, mask: Array | None = None, *, eps: float = 1e-8) -> Array:
-    """Zero-mean, unit-variance advantages over the (masked) batch, as VinePPO and PPO do."""
+    """Zero-mean, unit-variance advantages over the (masked) batch, as VinePPO and PPO do.
+
+    Statistics use the positions where ``mask`` is non-zero (all positions without a mask); masked
+    positions come back as 0.
+    """
     adv = _float_array(advantages)
-    keep = (adv == adv) if mask is None else (mask != 0)
+    if mask is None:
+        mask = np.ones(adv.shape, dtype=bool) if not _is_torch(adv) else torch.ones_like(adv, dtype=torch.bool)
+    keep = mask != 0
+    selected = adv[keep]
     if _is_torch(adv):
-        selected = adv[keep]
         mean, std = selected.mean(), selected.std(unbiased=False)
         return torch.where(keep, (adv - mean) / (std + eps), torch.zeros_like(adv))
-    selected = adv[keep]
     mean, std = selected.mean(), selected.std()
     return np.where(keep, (adv - mean) / (std + eps), 0.0)
