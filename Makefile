@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench
+.PHONY: setup run test bench services-up services-down
 
 # One pip command for everything, constrained by the lock, so torch stays the 2.13.0 CPU build and
 # boto3/botocore resolve together with s3fs. The machine's pip config prints harmless
@@ -26,10 +26,10 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 
 setup: $(VENV)/.installed
 
-# The main job. Until the training pipeline lands, it is the critic-budget benchmark (quick grid).
+# The main job: `focus train` on the embedded default (tiny model, deep_search, local store and MLflow,
+# ephemeral Prefect). One thread per op: the tiny model's matrices are too small for two to pay off.
 run: setup
-	$(BIN)/focus bench critic-budget --quick --json bench/out/critic_budget_quick.json \
-		--plot bench/out/critic_budget_quick.png
+	OMP_NUM_THREADS=1 $(BIN)/focus train
 
 # What CI runs (.ci/run): lint, then every test, on both cores.
 test: setup
@@ -40,3 +40,10 @@ test: setup
 bench: setup
 	$(BIN)/focus bench speed --json bench/out/speed.json
 	$(BIN)/focus bench critic-budget --json bench/out/critic_budget.json --plot bench/out/critic_budget.png
+
+# Real SeaweedFS S3 + Prefect server + MLflow server on 127.0.0.1 (data in .focus-services/);
+# `eval "$$(.venv/bin/python -m infra.services up)"` also exports the variables that point FOCUS at them.
+services-up: setup
+	$(BIN)/python -m infra.services up all
+services-down:
+	$(BIN)/python -m infra.services down all

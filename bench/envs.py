@@ -65,13 +65,37 @@ def measure(name: str, episodes: int, seed: int) -> dict:
     }
 
 
+def write_transcript(name: str, directory: Path, seed: int) -> Path:
+    """One held-out expert episode as markdown, with the compression turns the tiny default sees."""
+    env = make_env(name)
+    task = env.tasks("heldout")[seed % len(env.tasks("heldout"))]
+    tokenizer = train_tokenizer([env.system_prompt(), task.prompt], vocab_size=300)
+    runner = AgentRunner(ScriptedActor(tokenizer, tokenizer.convert_tokens_to_ids(END), seed=seed),
+                         lambda: make_env(name), AgentConfig(max_turns=24, compression="notes"))
+    episode = runner.run([task])[0]
+    lines = [f"# `{name}`: held-out task {task.task_id} (reward {episode.reward:g})", "",
+             "System prompt:", "", "```text", env.system_prompt(), "```", ""]
+    for turn in episode.turns:
+        label = {"context": "context (segment start)" if turn.segment_idx else "task",
+                 "policy": "policy", "tool": "tool", "summary": "summary"}[turn.role]
+        lines += [f"**{label}** (segment {turn.segment_idx})", "", "```text", turn.text, "```", ""]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", nargs="+", default=list(ENVIRONMENTS), choices=ENVIRONMENTS)
     parser.add_argument("--episodes", type=int, default=100, help="held-out tasks per environment")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--transcripts", type=Path, help="also write one expert transcript per environment here")
     args = parser.parse_args(argv)
+    if args.transcripts:
+        for name in args.envs:
+            print(f"wrote {write_transcript(name, args.transcripts, args.seed)}")
     results = [measure(name, args.episodes, args.seed) for name in args.envs]
     emit_json({"results": results}, args.json)
     return 0

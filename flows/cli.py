@@ -1,5 +1,11 @@
 """The `focus` command line.
 
+    focus train [--config PATH] [--set a.b=c ...] [--store ROOT] [--run-id ID]   train (the Prefect flow)
+    focus resume RUN_ID [--store ROOT]                                   continue a run from its last commit
+    focus runs [--store ROOT]                                            runs with status, progress, overhead
+    focus sql RUN_ID [NAME | --query SQL] [--store ROOT]                 DuckDB over a run's tables
+    focus serve [--store ROOT]                                           deployments for the Prefect UI
+    focus eval RUN_ID [--iteration N] [--tasks N] [--store ROOT]         held-out success of a checkpoint
     focus bench critic-budget [--quick] [--json PATH] [--plot PATH]   critic error vs branch budget
     focus bench speed [--json PATH]                                  speed of the algorithm library
     focus bench branching [--json PATH]                              prefix reuse when branching (hf)
@@ -11,6 +17,8 @@ Each benchmark's own options follow its name (`focus bench critic-budget --help`
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -22,6 +30,11 @@ QUIET_ENV = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    # One log line per stage comes from FOCUS itself; Prefect's per-task state lines would double them.
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+    # The ephemeral Prefect API starts in 4-9 s on an idle machine; allow for a loaded one.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
 
 
@@ -57,22 +70,166 @@ BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+def _store_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None,
+                        help="artifact root: a local folder or s3://bucket/prefix (default $FOCUS_STORE or ./runs)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from focus_core.config import load_config
+
+    # Fail fast on bad input, before Prefect starts: the config and the store are checked here.
+    load_config(args.config, args.set)
+    store = _store(args.store)
+    if args.run_id and store.run_info(args.run_id) is not None:
+        print(f"focus train: run {args.run_id!r} already exists under {store.root}; continue it with "
+              f"`focus resume {args.run_id}` or choose another --run-id", file=sys.stderr)
+        return 2
+    from flows.train import train
+
+    run_id = train(config_path=args.config, overrides=args.set, run_id=args.run_id, store=store.root)
+    print(f"run {run_id} finished. Inspect it: focus sql {run_id} reward_trend; focus runs; mlflow ui "
+          f"--backend-store-uri sqlite:///mlruns.db")
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    store = _store(args.store)
+    if store.run_info(args.run_id) is None:
+        print(f"focus resume: no run {args.run_id!r} under {store.root} (see `focus runs --store {store.root}`)",
+              file=sys.stderr)
+        return 2
+    from flows.train import train
+
+    train(run_id=args.run_id, store=store.root)
+    return 0
+
+
+def _store(root: str | None):
+    """The artifact store of --store, $FOCUS_STORE or ./runs (without importing Prefect)."""
+    from focus_core.artifacts import ArtifactStore
+
+    return ArtifactStore(root or os.environ.get("FOCUS_STORE", "runs"))
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from flows.runs import runs_report
+
+    print(runs_report(_store(args.store)))
+    return 0
+
+
+def _sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from flows.sql import connect, describe_queries, format_table, run_query
+
+    if args.query is None and args.name is None:
+        print(describe_queries())
+        print("tables: " + ", ".join(_tables()) + " (focus sql RUN_ID --query 'SELECT ...')")
+        return 0
+    store = _store(args.store)
+    if store.run_info(args.run_id) is None and not store.committed(args.run_id):
+        print(f"focus sql: no run {args.run_id!r} under {store.root} (see `focus runs`)", file=sys.stderr)
+        return 2
+    try:
+        columns, rows = run_query(connect(store, args.run_id), args.query or args.name)
+    except duckdb.Error as error:
+        print(f"focus sql: {error}", file=sys.stderr)
+        return 2
+    print(format_table(columns, rows, max_rows=None if args.all else 50))
+    return 0
+
+
+def _tables() -> list[str]:
+    from focus_core.schemas import TABLES
+
+    return list(TABLES)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve
+
+    serve(store=args.store)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from flows.evaluate import evaluate_run
+
+    result = evaluate_run(args.run_id, store=args.store, iteration=args.iteration, tasks=args.tasks)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="focus", description="FOCUS: selective branching RL for LLM agents")
     verbs = parser.add_subparsers(dest="verb", required=True)
+
+    train = verbs.add_parser("train", help="train a policy (runs the Prefect flow; the default needs no flags)",
+                             description="Train: bootstrap, then the iterations of the configured method.")
+    train.add_argument("--config", help="YAML config (default: built-in defaults; see configs/)")
+    train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
+    train.add_argument("--run-id", help="run id (default: METHOD-TIME-HASH)")
+    _store_option(train)
+    train.set_defaults(run=_train)
+
+    resume = verbs.add_parser("resume", help="continue a run: committed stages are skipped, the rest recomputed")
+    resume.add_argument("run_id")
+    _store_option(resume)
+    resume.set_defaults(run=_resume)
+
+    runs = verbs.add_parser("runs", help="list runs: status, iterations, last commit, overhead share")
+    _store_option(runs)
+    runs.set_defaults(run=_runs)
+
+    sql = verbs.add_parser("sql", help="query a run's tables with DuckDB (named queries or --query)")
+    sql.add_argument("run_id")
+    sql.add_argument("name", nargs="?", help="a named query; omit to list them")
+    sql.add_argument("--query", help="SQL over the views rollouts, episodes, states, ... of every iteration")
+    sql.add_argument("--all", action="store_true", help="print every row (default: the first 50)")
+    _store_option(sql)
+    sql.set_defaults(run=_sql)
+
+    serve = verbs.add_parser("serve", help="serve the train/eval deployments to a Prefect server for the UI")
+    _store_option(serve)
+    serve.set_defaults(run=_serve)
+
+    evaluate = verbs.add_parser("eval", help="held-out success of a run's policy checkpoint")
+    evaluate.add_argument("run_id")
+    evaluate.add_argument("--iteration", type=int, help="the policy after this iteration's update (default: last)")
+    evaluate.add_argument("--tasks", type=int, help="held-out tasks (default: the run's env.eval_tasks)")
+    _store_option(evaluate)
+    evaluate.set_defaults(run=_eval)
+
     bench = verbs.add_parser("bench", help="run a benchmark (prints JSON / a table, writes plots)",
                              description="Run a benchmark; options after the name go to the benchmark.")
     bench.add_argument("name", choices=sorted(BENCHMARKS),
                        help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(BENCHMARKS.items())))
     bench.add_argument("options", nargs=argparse.REMAINDER, help="options for the benchmark (see NAME --help)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    # FOCUS's own one-line-per-stage log at INFO; every library (httpx, bm25s, mlflow...) only from WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("focus").setLevel(logging.INFO)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb == "bench":
         run, _ = BENCHMARKS[args.name]
         return run(args.options)
-    parser.error(f"unknown verb {args.verb}")
-    return 2
+    from focus_core.artifacts import ArtifactError
+    from focus_core.config import ConfigError
+
+    try:
+        return args.run(args)
+    except (ConfigError, ArtifactError, FileNotFoundError, ValueError) as error:
+        # Bad input: say what is wrong and how to fix it, without a traceback; nothing was committed wrongly.
+        print(f"focus {args.verb}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

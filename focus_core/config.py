@@ -51,10 +51,12 @@ def _fail_if(problems: list[str]) -> None:
 class BudgetConfig(_Section):
     """Generated-token budget per iteration, matched across methods (method.md §9.2)."""
 
-    prompts_per_iteration: int = Field(2, ge=1, description="P: prompts (tasks) per iteration")
+    prompts_per_iteration: int = Field(4, ge=1, description="P: prompts (tasks) per iteration")
     group_size_grpo: int = Field(8, ge=1, description="G_grpo: rollouts per prompt of the GRPO family")
     group_size_main: int = Field(4, ge=1, description="G_main: main rollouts per prompt with branching")
-    expected_episode_tokens: int = Field(5000, ge=1, description="L̄: expected generated tokens per episode")
+    expected_episode_tokens: int = Field(
+        250, ge=1, description="L̄: expected generated tokens per episode (tiny default; ~5000 for 9B agents)"
+    )
     tokens_per_iteration: int | None = Field(None, ge=1, description="explicit B_tok; default P·L̄·G_grpo")
 
     @model_validator(mode="after")
@@ -188,7 +190,7 @@ class AgentConfig(_Section):
     """The agent harness: limits, sampling and the context manager (issue: agent harness)."""
 
     max_turns: int = Field(20, ge=1, description="tool calls per episode before it is cut off (reward 0)")
-    max_action_tokens: int = Field(64, ge=1, description="generated tokens per policy message")
+    max_action_tokens: int = Field(48, ge=1, description="generated tokens per policy message")
     max_summary_tokens: int = Field(96, ge=1, description="generated tokens per compression summary")
     context_max_tokens: int = Field(
         1536, ge=64, description="C_max: compress when the working context would exceed this many tokens"
@@ -197,10 +199,59 @@ class AgentConfig(_Section):
         4, ge=1, description="M: fallback, compress after this many turns in one segment"
     )
     compression: Literal["policy", "notes"] = Field(
-        "policy", description="policy: the policy writes the summary; notes: a deterministic compressor"
+        "notes", description="policy: the policy writes the summary (real models); notes: a deterministic "
+        "compressor (the default: a from-scratch tiny model cannot write useful summaries)"
     )
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+
+
+class EnvConfig(_Section):
+    """Which environment the agent trains in, and which of its tasks (issue: agent harness)."""
+
+    name: str = Field("deep_search", description="registered environment: deep_search, code_localization, legal, "
+                      "or an adapter (browsecomp_plus, swebench_loc)")
+    tier: str = Field("default", description="difficulty tier; default suits the tiny CPU model")
+    options: dict[str, Any] = Field(default_factory=dict, description="constructor arguments, e.g. adapter data paths")
+    eval_tasks: int = Field(32, ge=1, description="held-out tasks per evaluation (the same ones every time)")
+    eval_every: int = Field(1, ge=1, description="evaluate after every this many iterations (and after the last)")
+    eval_temperature: float = Field(1.0, gt=0.0, description="sampling temperature of held-out evaluation")
+
+
+class ModelConfig(_Section):
+    """Where the policy comes from and how it generates."""
+
+    source: str = Field("tiny", description="tiny (built from config, warm-started by SFT), smollm2, or a local "
+                        "Hugging Face model folder")
+    layers: int = Field(2, ge=1, description="tiny model: transformer layers")
+    hidden: int = Field(128, ge=16, description="tiny model: hidden size")
+    heads: int = Field(4, ge=1, description="tiny model: attention heads")
+    intermediate: int = Field(384, ge=16, description="tiny model: MLP width")
+    vocab_size: int = Field(2048, ge=300, description="tiny model: byte-level BPE vocabulary trained on the env")
+    max_context: int = Field(2048, ge=256, description="tiny model: positions")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        problems = []
+        if self.source not in ("tiny", "smollm2") and not Path(self.source).expanduser().is_dir():
+            problems.append(f"source: {self.source!r} is neither tiny, smollm2 nor an existing Hugging Face model "
+                            "folder (fix: model.source=tiny, or the path of a folder with config.json)")
+        if self.hidden % self.heads:
+            problems.append(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
+        _fail_if(problems)
+        return self
+
+
+class BootstrapConfig(_Section):
+    """SFT warm start of the tiny model on scripted-expert demonstrations with injected mistakes."""
+
+    demonstrations: int = Field(1000, ge=1, description="expert episodes on training tasks")
+    mistake_rate: float = Field(0.15, ge=0.0, le=1.0, description="share of expert actions replaced by random ones")
+    lr: float = Field(3e-3, gt=0.0, description="AdamW learning rate (linear decay)")
+    epochs: float = Field(100.0, gt=0.0, description="passes over the demonstrations (max_seconds usually stops first)")
+    max_seconds: float = Field(240.0, gt=0.0, description="wall-clock limit of the fine-tuning loop")
+    batch_tokens: int = Field(8192, ge=256, description="padded tokens per step")
+    context_weight: float = Field(0.0, ge=0.0, description="weight of the auxiliary loss on context/tool tokens")
 
 
 class PPOConfig(_Section):
@@ -209,7 +260,7 @@ class PPOConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="ε: ratio clipped to [1−ε, 1+ε_high]")
     clip_eps_high: float | None = Field(None, gt=0.0, description="ε_high (clip-higher); default ε")
     epochs: int = Field(2, ge=1, description="passes over the batch per iteration")
-    lr: float = Field(1e-6, gt=0.0, description="policy learning rate")
+    lr: float = Field(2e-5, gt=0.0, description="policy learning rate (tiny default; ~1e-6 for LLMs)")
     kl_coef: float = Field(0.0, ge=0.0, description="coefficient of the k3 KL-to-reference loss")
     entropy_coef: float = Field(0.0, ge=0.0, description="coefficient of the entropy bonus")
     loss_agg: Literal["token_mean", "constant"] = Field(
@@ -278,12 +329,16 @@ class FocusConfig(_Section):
 
     method: MethodName = "focus"
     seed: int = Field(0, description="run seed; every stage seed derives from it")
-    iterations: int = Field(10, ge=1, description="training iterations")
+    iterations: int = Field(8, ge=1, description="training iterations")
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     acquisition: AcquisitionConfig | None = Field(default_factory=AcquisitionConfig)
     critic: CriticConfig | None = Field(default_factory=CriticConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -125,6 +125,11 @@ TABLES: dict[str, pa.Schema] = {
                 nullable=True,
             ),
             _column("truncated", pa.bool_(), "true if the episode hit a turn or token limit"),
+            _column(
+                "budget_cut",
+                pa.bool_(),
+                "true if the iteration's token budget ran out before the episode ended (then also truncated)",
+            ),
         ],
     ),
     "states": _schema(

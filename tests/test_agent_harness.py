@@ -146,3 +146,21 @@ def test_branches_from_one_state_share_one_generate_call(policy):
     finally:
         del policy.generate
     assert calls == [(1, 5)]
+
+
+def test_ledger_is_charged_every_token_and_never_exceeded(policy):
+    from focus_core.budget import BudgetLedger
+
+    env = LookupEnv()
+    config = AgentConfig(max_turns=3, max_action_tokens=12, compress_every_turns=2)
+    tasks = env.tasks("train") * 2
+    free = AgentRunner(policy, LookupEnv, config).run(tasks, seed=3)
+    ledger = BudgetLedger(10_000)
+    charged = AgentRunner(policy, LookupEnv, config).run(tasks, seed=3, ledger=ledger)
+    assert ledger.spent == sum(e.generated_tokens for e in charged) == sum(e.generated_tokens for e in free)
+    assert ledger.by_kind["summary"] == sum(t.generated_tokens for e in charged for t in e.turns if t.is_compression)
+    assert not any(e.budget_cut for e in charged)
+    # A budget smaller than the worst case of one step per episode cuts episodes instead of overspending.
+    tight = BudgetLedger(30)
+    cut = AgentRunner(policy, LookupEnv, config).run(tasks, seed=3, ledger=tight)
+    assert tight.spent <= 30 and any(e.budget_cut and e.truncated for e in cut)

@@ -74,8 +74,8 @@ def test_t11_matched_budget():
 
 
 def test_explicit_tokens_per_iteration_overrides_the_product():
-    budget = BudgetConfig(tokens_per_iteration=100_000)
-    assert (budget.total_tokens, budget.branch_tokens) == (100_000, 60_000)
+    budget = BudgetConfig(tokens_per_iteration=10_000)  # default main rollouts: P·L̄·G_main = 4·250·4 = 4,000
+    assert (budget.total_tokens, budget.branch_tokens) == (10_000, 6_000)
 
 
 # --- YAML and overrides -------------------------------------------------------------------------------

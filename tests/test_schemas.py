@@ -69,6 +69,7 @@ def example_row(table: str) -> dict:
             "is_branch": False,
             "parent_state_id": None,
             "truncated": False,
+            "budget_cut": False,
         },
         "states": {
             **RUN,
@@ -106,6 +107,7 @@ def example_row(table: str) -> dict:
             "return": 0.0,
             "generated_tokens": 1980,
             "truncated": False,
+            "budget_cut": False,
         },
         "values": {
             **RUN,

@@ -40,3 +40,30 @@ def test_finetuning_on_demonstrations_makes_the_tiny_model_solve_the_task():
     assert np.mean([e.reward for e in before]) == 0.0
     assert report.final_loss < 0.05 and report.steps > 10
     assert np.mean([e.reward for e in after]) >= 2 / 3
+
+
+def test_labelled_token_loss_equals_the_full_causal_lm_loss():
+    """Running the output layer only at labelled positions must not change the loss."""
+    import torch
+
+    from focus_core.agent.sft import _pad, labelled_token_loss
+
+    tokenizer = train_tokenizer(["alpha beta gamma delta"] * 4, vocab_size=300)
+    policy = tiny_policy(tokenizer, layers=1, hidden=32, heads=2, intermediate=64)
+    rng = np.random.default_rng(0)
+    batch = []
+    for length in (9, 14, 6):
+        ids = rng.integers(6, len(tokenizer), size=length).tolist()
+        labels = [t if rng.random() < 0.4 else IGNORE for t in ids]
+        labels[-1] = ids[-1]
+        batch.append((ids, labels))
+    ids, labels, mask = _pad(batch, pad_id=0)
+    with torch.no_grad():
+        reference = policy.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ours = labelled_token_loss(policy.model, ids, labels, mask)
+        # The auxiliary context loss is the loss of predicting the unlabelled real tokens.
+        context_labels = torch.where((labels == IGNORE) & (mask > 0), ids, torch.full_like(ids, IGNORE))
+        context = policy.model(input_ids=ids, attention_mask=mask, labels=context_labels).loss
+        both = labelled_token_loss(policy.model, ids, labels, mask, context_weight=0.5)
+    assert torch.allclose(ours, reference, atol=1e-5)
+    assert torch.allclose(both, reference + 0.5 * context, atol=1e-5)

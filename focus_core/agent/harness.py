@@ -24,7 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from focus_core.agent.scripted import ScriptedActor
+from focus_core.budget import BudgetLedger
 from focus_core.config import AgentConfig
 from focus_core.envs.base import Task, ToolEnv
 from focus_core.policy.tokenizer import chat_ids, end_of_turn_ids
@@ -50,7 +53,7 @@ class SegmentStart:
         digest = hashlib.blake2b(digest_size=8)
         digest.update(self.task.task_id.encode())
         digest.update(str(self.segment_idx).encode())
-        digest.update(b"".join(i.to_bytes(4, "little") for i in self.context_ids))
+        digest.update(np.asarray(self.context_ids, dtype="<u4").tobytes())
         return digest.hexdigest()
 
 
@@ -82,6 +85,7 @@ class AgentEpisode:
     truncated: bool = False  # a turn or context limit cut it off
     n_tool_calls: int = 0
     parent_state: SegmentStart | None = None  # for continuations: where they started
+    budget_cut: bool = False  # cut off because the iteration's token budget ran out (not the policy's doing)
 
     @property
     def generated_tokens(self) -> int:
@@ -195,8 +199,14 @@ class AgentRunner:
     # -- running ------------------------------------------------------------------------------
 
     def run(self, tasks: Sequence[Task] = (), *, starts: Sequence[SegmentStart] = (), seed: int = 0,
-            progress: Callable[[int], None] | None = None) -> list[AgentEpisode]:
-        """Play one episode per task from its initial state, and one continuation per given start."""
+            progress: Callable[[int], None] | None = None, ledger: BudgetLedger | None = None,
+            kind: str = "main", round_idx: int = 0) -> list[AgentEpisode]:
+        """Play one episode per task from its initial state, and one continuation per given start.
+
+        With a ``ledger``, every generated token is charged to it (actions as ``kind``, compression
+        summaries as ``summary``) and the budget is never exceeded: before each step, episodes whose
+        worst-case step would not fit are cut off (``truncated`` and ``budget_cut`` set, reward 0).
+        """
         active = []
         for task in tasks:
             env = self.env_factory()
@@ -208,12 +218,31 @@ class AgentRunner:
         while active:
             for a in active:
                 self._maybe_start_compression(a)
+            if ledger is not None:
+                active = self._fit_budget(active, ledger)
+                before = [a.episode.generated_tokens for a in active]
+                summarizing = [a.summarizing for a in active]
             self._generate(active, seed=seed * 100_003 + step)
+            if ledger is not None:
+                for a, tokens, summary in zip(active, before, summarizing, strict=True):
+                    ledger.charge("summary" if summary else kind, a.episode.generated_tokens - tokens,
+                                  round_idx=round_idx)
             active = [a for a in active if not (a.episode.done or a.episode.truncated)]
             step += 1
             if progress:
                 progress(len(episodes) - len(active))
         return episodes
+
+    def _step_tokens(self, a: _Active) -> int:
+        return self.config.max_summary_tokens if a.summarizing else self.config.max_action_tokens
+
+    def _fit_budget(self, active: list[_Active], ledger: BudgetLedger) -> list[_Active]:
+        """Cut episodes (last started first) until the worst case of this step fits the ledger."""
+        kept = list(active)
+        while kept and sum(self._step_tokens(a) for a in kept) > ledger.remaining:
+            cut = kept.pop()
+            cut.episode.truncated = cut.episode.budget_cut = True
+        return kept
 
     def _maybe_start_compression(self, a: _Active) -> None:
         cfg = self.config
@@ -308,7 +337,8 @@ class AgentRunner:
         task = a.episode.task
         messages = (a.messages[0], {"role": "user", "content": f"{task.prompt}\n{NOTES_HEADER}\n{summary}"})
         ids = self.renderer.render(messages, generation_prompt=True)
-        generated = a.episode.generated_tokens
+        # Counted from the main episode's start: a continuation starts with its parent's count.
+        generated = a.episode.starts[0].generated_tokens + a.episode.generated_tokens
         a.segment_idx += 1
         start = SegmentStart(task, a.segment_idx, a.turn_idx, generated, messages, tuple(ids))
         a.episode.starts.append(start)

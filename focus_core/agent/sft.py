@@ -20,8 +20,9 @@ import torch
 
 from focus_core.agent.harness import AgentEpisode, AgentRunner
 from focus_core.agent.scripted import ScriptedActor
-from focus_core.config import AgentConfig
+from focus_core.config import AgentConfig, BootstrapConfig, ModelConfig
 from focus_core.envs.base import Task, ToolEnv
+from focus_core.policy.tokenizer import END, train_tokenizer
 
 IGNORE = -100  # label of tokens the loss skips
 
@@ -36,11 +37,46 @@ class SFTReport:
     seconds: float
 
 
+def warm_start(env_factory: Callable[[], ToolEnv], train_tasks: Sequence[Task], agent_config: AgentConfig,
+               model_config: ModelConfig, bootstrap: BootstrapConfig, *, seed: int = 0,
+               progress: Callable[[int, float], None] | None = None):
+    """The embedded default policy: a tokenizer trained on the environment's text, a tiny Llama built
+    from ``model_config``, and SFT on expert demonstrations of ``train_tasks`` (with injected mistakes).
+
+    Returns ``(policy, report)``. Deterministic for a seed, up to float rounding of the training loop.
+    """
+    from focus_core.policy.models import tiny_policy  # the policy package imports this module's neighbours
+
+    if not train_tasks:
+        raise ValueError("warm_start needs training tasks; the environment returned none for its train split")
+    env = env_factory()
+    rng = np.random.default_rng(seed)
+    # The tokenizer learns the environment's vocabulary from expert transcripts of training tasks
+    # (a first pass with a byte-level bootstrap tokenizer only produces the text).
+    corpus_tasks = [train_tasks[i] for i in rng.permutation(len(train_tasks))[:300]]
+    bootstrap_tokenizer = train_tokenizer([env.system_prompt(), *(t.prompt for t in corpus_tasks)], vocab_size=300)
+    text_runs = record_demonstrations(env_factory, corpus_tasks, bootstrap_tokenizer, agent_config, mistake_rate=0.0)
+    corpus = [env.system_prompt(), *(turn.text for episode in text_runs for turn in episode.turns)]
+    tokenizer = train_tokenizer(corpus, vocab_size=model_config.vocab_size)
+
+    chosen = [train_tasks[i] for i in rng.integers(0, len(train_tasks), size=bootstrap.demonstrations)]
+    demonstrations = record_demonstrations(env_factory, chosen, tokenizer, agent_config,
+                                           mistake_rate=bootstrap.mistake_rate, seed=seed)
+    policy = tiny_policy(tokenizer, seed=seed, layers=model_config.layers, hidden=model_config.hidden,
+                         heads=model_config.heads, intermediate=model_config.intermediate,
+                         max_context=model_config.max_context)
+    report = supervised_finetune(policy.model, segment_sequences(demonstrations), lr=bootstrap.lr,
+                                 batch_tokens=bootstrap.batch_tokens, epochs=bootstrap.epochs,
+                                 max_seconds=bootstrap.max_seconds, seed=seed, pad_id=tokenizer.pad_token_id,
+                                 context_weight=bootstrap.context_weight, progress=progress)
+    return policy, report
+
+
 def record_demonstrations(env_factory: Callable[[], ToolEnv], tasks: Sequence[Task], tokenizer,
                           agent_config: AgentConfig, *, mistake_rate: float = 0.15, seed: int = 0
                           ) -> list[AgentEpisode]:
     """One expert episode per task, with random actions injected at ``mistake_rate``."""
-    end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    end_id = tokenizer.convert_tokens_to_ids(END)
     actor = ScriptedActor(tokenizer, end_id, mistake_rate=mistake_rate, seed=seed)
     return AgentRunner(actor, env_factory, agent_config).run(tasks)
 
@@ -60,9 +96,10 @@ def segment_sequences(episodes: Sequence[AgentEpisode]) -> list[tuple[list[int],
 
 def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]], *,
                         lr: float = 1e-3, batch_tokens: int = 8192, epochs: float = 3.0, max_seconds: float = 300.0,
-                        seed: int = 0, pad_id: int = 0, progress: Callable[[int, float], None] | None = None
-                        ) -> SFTReport:
-    """Causal-LM loss on the labelled tokens, AdamW with linear decay, until ``epochs`` or ``max_seconds``.
+                        seed: int = 0, pad_id: int = 0, context_weight: float = 0.0,
+                        progress: Callable[[int, float], None] | None = None) -> SFTReport:
+    """Causal-LM loss on the labelled tokens (plus ``context_weight`` times the loss on the rest, see
+    ``labelled_token_loss``), AdamW with linear decay, until ``epochs`` or ``max_seconds``.
 
     Batches group sequences of similar length up to ``batch_tokens`` padded tokens.
     """
@@ -91,20 +128,44 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
                 if step >= total_steps or time.perf_counter() - started >= max_seconds:
                     break
                 ids, labels, mask = _pad([sequences[i] for i in batches[batch_index]], pad_id)
-                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+                loss = labelled_token_loss(model, ids, labels, mask, context_weight=context_weight)
                 optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
+                loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
                 step += 1
                 tokens += int((labels != IGNORE).sum())
-                loss_value = out.loss.item()
+                loss_value = loss.item()
                 if progress:
                     progress(step, loss_value)
     finally:
         model.eval()
     return SFTReport(len(sequences), step, step / len(batches), tokens, loss_value, time.perf_counter() - started)
+
+
+def labelled_token_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
+                        mask: torch.Tensor, *, context_weight: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labelled positions, plus ``context_weight`` times the
+    mean cross-entropy of predicting the other (context and tool) tokens.
+
+    The output layer runs only where a target is scored (about one position in ten carries a label in
+    agent transcripts): with a small model the vocabulary projection is a large share of the cost.
+    The context term is an auxiliary language-modelling loss: the tiny model starts from scratch, and
+    predicting tool output (which repeats names and numbers from the task and earlier turns) teaches
+    it to read and copy its context sooner than the sparse action tokens alone would.
+    """
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    head = model.get_output_embeddings()
+    targets = labels[:, 1:]
+    keep = targets != IGNORE
+    loss = torch.nn.functional.cross_entropy(head(hidden[keep]).float(), targets[keep])
+    if context_weight > 0:
+        context = ~keep & (mask[:, 1:] > 0)
+        if context.any():
+            loss = loss + context_weight * torch.nn.functional.cross_entropy(head(hidden[context]).float(),
+                                                                             ids[:, 1:][context])
+    return loss
 
 
 def _pad(batch: Sequence[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:

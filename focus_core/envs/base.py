@@ -161,7 +161,7 @@ def register_env(name: str) -> Callable[[type[ToolEnv]], type[ToolEnv]]:
 
 def make_env(name: str, **kwargs: Any) -> ToolEnv:
     # Importing the environment modules fills the registry; they load their data lazily.
-    from focus_core.envs import code_localization, deep_search, legal  # noqa: F401
+    from focus_core.envs import browsecomp_plus, code_localization, deep_search, legal, swebench_loc  # noqa: F401
 
     if name not in ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")

@@ -79,3 +79,22 @@ class Policy(Protocol):
     def save(self, path: str | Path) -> None:
         """Write model, tokenizer and version to a Hugging Face folder (safetensors)."""
         ...
+
+
+def check_sampling_arguments(prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float,
+                             top_p: float, max_context: int) -> None:
+    """The argument checks every backend's ``generate`` makes, with the same messages."""
+    if not prompts:
+        raise ValueError("generate: no prompts")
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"generate: n={n} and max_new_tokens={max_new_tokens} must both be >= 1")
+    if temperature < 0:
+        raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"generate: top_p={top_p} must be in (0, 1]")
+    for i, prompt in enumerate(prompts):
+        if not 0 < len(prompt) < max_context:
+            raise ValueError(
+                f"generate: prompt {i} has {len(prompt)} tokens; it needs 1 to {max_context - 1} "
+                f"(max_context={max_context} leaves room for at least one new token)"
+            )

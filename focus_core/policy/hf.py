@@ -49,7 +49,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from focus_core.policy.base import Generation
+from focus_core.policy.base import Generation, check_sampling_arguments
 from focus_core.policy.tokenizer import end_of_turn_ids
 
 # Written next to the Hugging Face files of a checkpoint; carries what HF's own files don't.
@@ -226,20 +226,7 @@ class HFPolicy:
     def _check_sampling(
         self, prompts: Sequence[Sequence[int]], n: int, max_new_tokens: int, temperature: float, top_p: float
     ) -> None:
-        if not prompts:
-            raise ValueError("generate: no prompts")
-        if n < 1 or max_new_tokens < 1:
-            raise ValueError(f"generate: n={n} and max_new_tokens={max_new_tokens} must both be >= 1")
-        if temperature < 0:
-            raise ValueError(f"generate: temperature={temperature} must be >= 0 (0 = greedy)")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"generate: top_p={top_p} must be in (0, 1]")
-        for i, prompt in enumerate(prompts):
-            if not 0 < len(prompt) < self.max_context:
-                raise ValueError(
-                    f"generate: prompt {i} has {len(prompt)} tokens; it needs 1 to {self.max_context - 1} "
-                    f"(max_context={self.max_context} leaves room for at least one new token)"
-                )
+        check_sampling_arguments(prompts, n, max_new_tokens, temperature, top_p, self.max_context)
 
     # ------------------------------------------------------------------ checkpoints
 

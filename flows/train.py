@@ -1,0 +1,149 @@
+"""The training flow: bootstrap, then per iteration evaluate → rollout → segment → R × (acquire →
+branch → fit_critic) → advantage → update, and a final evaluation (DESIGN.md, "The seven stages").
+
+Every method is this flow with other settings: the GRPO family skips acquire/branch/fit_critic
+(each commits a manifest that records the skip), PPO+GAE fits its critic without branching, VinePPO
+branches without a critic. All of them spend the same generated-token budget per iteration.
+
+Resume is the same call with the same ``run_id``: every stage whose manifest carries the expected
+version is skipped (``tasks/stage.py``), so a killed run continues at the first stage it had not
+committed and produces the tables an uninterrupted run would have. The flow passes only manifests
+between tasks, never tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.tracking import Tracker
+from focus_core.artifacts import ArtifactStore, Manifest
+from focus_core.config import FocusConfig, config_to_dict, load_config, validate_config
+from tasks.acquire import acquire
+from tasks.advantage import advantage
+from tasks.bootstrap import bootstrap
+from tasks.branch import branch
+from tasks.evaluate import evaluate
+from tasks.fit_critic import fit_critic
+from tasks.inputs import CRITIC_FOLDER
+from tasks.rollout import rollout
+from tasks.segment import segment
+from tasks.stage import RunContext
+from tasks.update import update
+
+DEFAULT_STORE = "runs"  # a local folder, relative to where `focus` runs; FOCUS_STORE overrides it
+log = logging.getLogger("focus")
+
+
+def default_store() -> str:
+    return os.environ.get("FOCUS_STORE", DEFAULT_STORE)
+
+
+def new_run_id(cfg: FocusConfig) -> str:
+    """``{method}-{UTC time}-{config hash}``: sortable, readable, and different for different configs."""
+    digest = hashlib.sha256(repr(config_to_dict(cfg)).encode()).hexdigest()[:6]
+    return f"{cfg.method}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{digest}"
+
+
+def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest,
+                  critic: Manifest | None) -> tuple[dict[str, Manifest], Manifest | None]:
+    """One iteration's stages; returns their manifests by stage name and the critic to use next."""
+    cfg = ctx.config
+    stages: dict[str, Manifest] = {}
+    if i % cfg.env.eval_every == 0:
+        stages["evaluate"] = evaluate(ctx, i, policy)
+    stages["rollout"] = main = rollout(ctx, i, policy)
+    stages["segment"] = seg = segment(ctx, i, main, policy)
+    charged, branches, values = [main], [], None
+    rounds = cfg.acquisition.rounds if cfg.acquisition is not None else 1
+    for r in range(rounds):
+        stages[f"acquire_r{r}"] = plan = acquire(ctx, i, r, seg, critic, list(charged))
+        stages[f"branch_r{r}"] = grown = branch(ctx, i, r, plan, main, policy, list(charged))
+        charged.append(grown)
+        branches.append(grown)
+        stages[f"fit_critic_r{r}"] = fit = fit_critic(ctx, i, r, seg, list(branches))
+        if not fit.skipped:
+            values = fit
+            if CRITIC_FOLDER in fit.files:
+                critic = fit
+    stages["advantage"] = adv = advantage(ctx, i, seg, values, main)
+    stages["update"] = update(ctx, i, main, adv, policy, reference)
+    return stages, critic
+
+
+@flow(name="focus-train", log_prints=False)
+def train(config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None,
+          store: str | None = None) -> str:
+    """Train (or resume, with an existing ``run_id``) and return the run id.
+
+    ``config_path`` is a YAML file (None: the built-in defaults), ``overrides`` are ``a.b=c`` strings,
+    ``store`` a local folder or ``s3://bucket/prefix`` (default ``$FOCUS_STORE`` or ``runs``).
+    A resumed run uses the config stored with it; overrides are refused then, since they would
+    silently change what the committed stages meant.
+    """
+    artifacts = ArtifactStore(store or default_store())
+    info = artifacts.run_info(run_id) if run_id else None
+    if info is not None:
+        if overrides or config_path:
+            raise ValueError(f"run {run_id} exists: resume uses its stored config; start a new run to change it")
+        cfg = validate_config(info["config"])
+    else:
+        cfg = load_config(config_path, overrides or [])
+        run_id = run_id or new_run_id(cfg)
+    ctx = RunContext(artifacts, run_id, cfg)
+    tracker = Tracker(ctx)
+    artifacts.write_run_info(run_id, {"status": "running", "config": config_to_dict(cfg),
+                                      "mlflow_run_id": tracker.mlflow_run_id, "store": artifacts.root})
+    log.info("run %s: method %s, %d iterations, env %s, store %s", run_id, cfg.method, cfg.iterations,
+             cfg.env.name, artifacts.root)
+    try:
+        started = time.perf_counter()
+        reference = policy = bootstrap(ctx)
+        tracker.log_stage(0, "bootstrap", policy)
+        critic = None
+        walls = dict(info.get("iteration_wall_s", {})) if info else {}
+        for i in range(cfg.iterations):
+            iteration_started = time.perf_counter()
+            stages, critic = run_iteration(ctx, i, policy, reference, critic)
+            policy = stages["update"]
+            walls[str(i)] = walls.get(str(i), 0.0) + time.perf_counter() - iteration_started
+            artifacts.write_run_info(run_id, {"iteration_wall_s": walls})
+            tracker.log_iteration(i, stages)
+            _publish(ctx, i, stages)
+        final = evaluate(ctx, cfg.iterations, policy)
+        tracker.log_iteration(cfg.iterations, {"evaluate": final})
+        tracker.finish(policy, "FINISHED")
+        artifacts.write_run_info(run_id, {"status": "finished", "wall_s": time.perf_counter() - started})
+    except BaseException:
+        artifacts.write_run_info(run_id, {"status": "failed"})
+        tracker.finish(None, "FAILED")
+        raise
+    log.info("run %s finished: held-out success %s", run_id, final.figures.get("heldout_success"))
+    return run_id
+
+
+def _publish(ctx: RunContext, i: int, stages: dict[str, Manifest]) -> None:
+    """A small markdown table per iteration for the Prefect UI (stage, figures, compute seconds)."""
+    lines = [f"### {ctx.run_id} — iteration {i}", "", "| stage | figures | compute s |", "|---|---|---|"]
+    for name, manifest in stages.items():
+        figures = manifest.skipped or ", ".join(f"{k} {_short(v)}" for k, v in manifest.figures.items())
+        lines.append(f"| {name} | {figures} | {manifest.timings.get('compute_s', 0.0):.1f} |")
+    try:
+        create_markdown_artifact("\n".join(lines), key=f"iteration-{i}", description=f"{ctx.run_id} iteration {i}")
+    except Exception as error:  # the UI table is a convenience; never fail a training run for it
+        log.debug("no Prefect artifact for iteration %d: %s", i, error)
+
+
+def _short(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def checkpoint_path(ctx: RunContext, manifest: Manifest, name: str) -> Path:
+    return ctx.store.fetch_folder(ctx.run_id, manifest.iteration, manifest.stage, name)

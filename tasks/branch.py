@@ -1,0 +1,95 @@
+"""Stage 4 — branch (round r): sample the allocated continuations from their states.
+
+Each chosen state is rebuilt from the stored rows of the main rollouts (``rollouts.segment_starts``:
+the compressed context's exact token ids, checked against the state id) and continued with the
+current policy; continuations of one state share its prefix in one ``n > 1`` generation. Every
+token is charged to the ledger as ``branch`` (or ``summary``); a continuation the budget cannot pay
+for is cut off and marked ``budget_cut``, and is left out of the Monte-Carlo means downstream.
+Writes ``branches`` (one row per continuation) plus the continuations' own ``rollouts`` and
+``episodes`` (so ``focus sql`` sees every generated token) and ``budget_ledger``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from focus_core.agent.harness import AgentRunner
+from focus_core.artifacts import Manifest
+from focus_core.budget import BudgetLedger
+from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
+from focus_core.schemas import content_id, schema_for
+from tasks.acquire import spent_tokens
+from tasks.inputs import env_factory, policy_at, read, tasks
+from tasks.stage import RunContext, StageResult, run_stage
+
+
+def stage_name(round_idx: int) -> str:
+    return f"branch_r{round_idx}"
+
+
+def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifest, rollout: Manifest,
+            policy_manifest: Manifest, charged: Sequence[Manifest], scratch: Path) -> StageResult:
+    cfg = ctx.config
+    if acquisition.skipped:
+        return StageResult(skipped=acquisition.skipped)
+    plan = read(ctx, acquisition, "acquisition")
+    counts = plan.column("continuations").to_numpy()
+    chosen = [(state, int(n)) for state, n in zip(plan.column("state_id").to_pylist(), counts, strict=True) if n]
+    state_ids = [state for state, n in chosen for _ in range(n)]
+    index = [k for _, n in chosen for k in range(n)]
+    policy = policy_at(ctx, policy_manifest)
+    by_id = {t.task_id: t for split in ("train", "heldout") for t in tasks(ctx, split)} if chosen else {}
+    starts = segment_starts(state_ids, rollouts=read(ctx, rollout, "rollouts"), episodes=read(ctx, rollout, "episodes"),
+                            tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
+    ledger = BudgetLedger(max(0, cfg.budget.total_tokens - spent_tokens(ctx, charged)))
+    seed = ctx.seed(iteration, stage_name(round_idx))
+    with tqdm(total=len(starts), desc=f"it {iteration} branches r{round_idx}", unit="branch", leave=False) as bar:
+        episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(
+            starts=starts, seed=seed, ledger=ledger, kind="branch", round_idx=round_idx,
+            progress=lambda done: bar.update(done - bar.n))
+    branches = [branch_id(s.state_id, round_idx, k) for s, k in zip(starts, index, strict=True)]
+    ids = [episode_id(ctx.run_id, iteration, s.task.task_id, "branch", s.state_id, round_idx, k)
+           for s, k in zip(starts, index, strict=True)]
+    groups = [content_id(ctx.run_id, iteration, s.state_id, "branches") for s in starts]
+    rollouts, episode_table = episode_tables(episodes, run_id=ctx.run_id, iteration=iteration,
+                                             policy_version=policy.version, episode_ids=ids, group_ids=groups,
+                                             branch_ids=branches)
+    n = len(episodes)
+    branch_table = pa.table({
+        "run_id": [ctx.run_id] * n, "iteration": pa.array([iteration] * n, pa.int32()), "episode_id": ids,
+        "segment_idx": pa.array([s.segment_idx for s in starts], pa.int32()),
+        "state_id": [s.state_id for s in starts], "branch_id": branches,
+        "policy_version": pa.array([policy.version] * n, pa.int32()),
+        "round": pa.array([round_idx] * n, pa.int32()),
+        "return": pa.array([e.reward for e in episodes], pa.float64()),
+        "generated_tokens": pa.array([e.generated_tokens for e in episodes], pa.int64()),
+        "truncated": [e.truncated for e in episodes],
+    }, schema=schema_for("branches"))
+    rows = ledger.rows(run_id=ctx.run_id, iteration=iteration, policy_version=policy.version)
+    for row in rows:
+        row["budget"] = cfg.budget.total_tokens  # the iteration's budget, not what was left of it
+    figures = {"continuations": n, "states": len(chosen), "tokens": ledger.spent,
+               "mean_return": float(np.mean([e.reward for e in episodes])) if episodes else 0.0,
+               "budget_cut": sum(e.budget_cut for e in episodes)}
+    return StageResult(tables={"branches": branch_table, "rollouts": rollouts, "episodes": episode_table,
+                               "budget_ledger": pa.Table.from_pylist(rows, schema=schema_for("budget_ledger"))},
+                       figures=figures, policy_version=policy.version, seeds={"branch": seed})
+
+
+@task(name="branch", retries=1, cache_policy=NO_CACHE)
+def branch(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifest, rollout: Manifest,
+           policy: Manifest, charged: Sequence[Manifest]) -> Manifest:
+    upstream = {"acquisition": acquisition, "rollout": rollout, "policy": policy,
+                **{f"charged_{k}": m for k, m in enumerate(charged)}}
+    return run_stage(ctx, iteration, stage_name(round_idx),
+                     depends_on=ctx.fields("seed", "budget", "agent", "env.name", "env.tier", "env.options"),
+                     upstream=upstream,
+                     compute=lambda scratch: compute(ctx, iteration, round_idx, acquisition, rollout, policy,
+                                                     charged, scratch))

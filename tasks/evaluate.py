@@ -1,0 +1,64 @@
+"""Evaluation: the policy entering an iteration plays the same held-out tasks every time.
+
+The held-out tasks (``env.eval_tasks`` of them, a fixed seeded sample) and the sampling seed are the
+same at every iteration, so successive evaluations differ only by the policy (common random numbers:
+the comparison is much less noisy than independent samples would make it). Iteration i evaluates the
+policy that iteration i's rollouts used; the flow adds one evaluation after the last update.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from focus_core.agent.harness import AgentRunner
+from focus_core.artifacts import Manifest
+from focus_core.rollouts import episode_id
+from focus_core.schemas import schema_for
+from tasks.inputs import env_factory, policy_at, tasks
+from tasks.stage import RunContext, StageResult, run_stage
+
+STAGE = "evaluate"
+
+
+def eval_tasks(ctx: RunContext) -> list:
+    heldout = tasks(ctx, "heldout")
+    order = np.random.default_rng(ctx.seed(0, STAGE, "tasks")).permutation(len(heldout))
+    return [heldout[i] for i in order[: ctx.config.env.eval_tasks]]
+
+
+def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch: Path) -> StageResult:
+    cfg = ctx.config
+    policy = policy_at(ctx, policy_manifest)
+    chosen = eval_tasks(ctx)
+    agent = cfg.agent.model_copy(update={"temperature": cfg.env.eval_temperature})
+    with tqdm(total=len(chosen), desc=f"it {iteration} evaluation", unit="episode", leave=False) as bar:
+        episodes = AgentRunner(policy, env_factory(ctx), agent).run(
+            chosen, seed=ctx.seed(0, STAGE, "sampling"), progress=lambda done: bar.update(done - bar.n))
+    n = len(episodes)
+    table = pa.table({
+        "run_id": [ctx.run_id] * n, "iteration": pa.array([iteration] * n, pa.int32()),
+        "episode_id": [episode_id(ctx.run_id, iteration, t.task_id, "eval") for t in chosen],
+        "policy_version": pa.array([policy.version] * n, pa.int32()),
+        "task_id": [t.task_id for t in chosen], "split": [t.split for t in chosen],
+        "reward": pa.array([e.reward for e in episodes], pa.float64()),
+        "success": [e.reward > 0 for e in episodes],
+        "n_turns": pa.array([e.n_tool_calls for e in episodes], pa.int32()),
+        "generated_tokens": pa.array([e.generated_tokens for e in episodes], pa.int64()),
+    }, schema=schema_for("evaluation"))
+    figures = {"heldout_success": float(np.mean([e.reward > 0 for e in episodes])),
+               "mean_turns": float(np.mean([e.n_tool_calls for e in episodes])),
+               "tokens": int(sum(e.generated_tokens for e in episodes))}
+    return StageResult(tables={"evaluation": table}, figures=figures, policy_version=policy.version)
+
+
+@task(name="evaluate", retries=1, cache_policy=NO_CACHE)
+def evaluate(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
+    return run_stage(ctx, iteration, STAGE,
+                     depends_on=ctx.fields("seed", "agent", "env"), upstream={"policy": policy},
+                     compute=lambda scratch: compute(ctx, iteration, policy, scratch))

@@ -1,0 +1,45 @@
+"""What stages load besides tables: the policy entering an iteration, the environment, its tasks."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from focus_core.artifacts import Manifest
+from focus_core.envs.base import Task, ToolEnv, make_env
+from focus_core.policy.hf import HFPolicy
+from focus_core.policy.models import load_policy
+from tasks.stage import RunContext
+
+POLICY_FOLDER = "policy"  # the checkpoint folder name in the bootstrap and update stages
+CRITIC_FOLDER = "critic"  # the checkpoint folder name in fit_critic stages
+
+
+def env_factory(ctx: RunContext) -> Callable[[], ToolEnv]:
+    env = ctx.config.env
+    return functools.partial(make_env, env.name, **env.options)
+
+
+@functools.lru_cache(maxsize=8)
+def _tasks(name: str, options: tuple, split: str, tier: str) -> tuple[Task, ...]:
+    return tuple(make_env(name, **dict(options)).tasks(split, tier))
+
+
+def tasks(ctx: RunContext, split: str) -> list[Task]:
+    env = ctx.config.env
+    found = list(_tasks(env.name, tuple(sorted(env.options.items())), split, env.tier))
+    if not found:
+        raise ValueError(f"environment {env.name} has no {split} tasks at tier {env.tier!r} "
+                         "(fix: another env.tier, or check the adapter's data paths in env.options)")
+    return found
+
+
+def policy_at(ctx: RunContext, policy: Manifest) -> HFPolicy:
+    """Load the checkpoint a bootstrap or update manifest points to, at its policy version."""
+    folder = ctx.store.fetch_folder(ctx.run_id, policy.iteration, policy.stage, POLICY_FOLDER)
+    return load_policy(folder)
+
+
+def read(ctx: RunContext, manifest: Manifest, table: str):
+    """A committed table of an upstream stage (only the parts its manifest lists, hash-checked)."""
+    return ctx.store.read_table(ctx.run_id, manifest.iteration, manifest.stage, table)

@@ -1,0 +1,112 @@
+"""The contract every stage follows: version, skip-if-committed, compute, commit, one log line.
+
+A stage is a pure step from input artifacts to output artifacts. ``run_stage`` wraps its compute
+function so that every stage behaves the same way:
+
+1. Its *version* is a hash of the stage name, the config fields it depends on, the manifest hashes
+   of its upstream stages and the schema version (``focus_core.artifacts.stage_version``).
+2. If the store already holds a manifest with that version, the stage is done: it is skipped and
+   its manifest returned. This — not Prefect's result cache — is what makes ``focus resume`` work,
+   and a changed config invalidates exactly the stages that read the changed fields.
+3. Otherwise it computes into a scratch folder, and the store commits tables and folders, then the
+   manifest last. A crash before the manifest leaves nothing a reader would see.
+4. It logs one line: iteration, stage, its figures, compute seconds.
+
+The stage modules (``tasks/rollout.py`` ...) each define a plain function ``compute(...)`` (easy to
+call from a notebook or a test) and a Prefect task that calls ``run_stage`` with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from focus_core.artifacts import ArtifactStore, Manifest, derive_seed, stage_version
+from focus_core.config import FocusConfig, config_to_dict
+
+log = logging.getLogger("focus")
+
+# Fault injection for the resume tests: "ITERATION:STAGE" makes the process SIGKILL itself halfway
+# through that stage (after its compute, before the commit), the one crash a test cannot time from
+# outside. Unset in normal use.
+KILL_AT_ENV = "FOCUS_KILL_AT"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What every stage of one run knows: where artifacts live, which run, the resolved config."""
+
+    store: ArtifactStore
+    run_id: str
+    config: FocusConfig
+
+    def seed(self, iteration: int, stage: str, *keys: Any) -> int:
+        """A seed derived from (run seed, iteration, stage, keys): a resumed stage draws the same numbers."""
+        return derive_seed(self.config.seed, iteration, stage, *keys)
+
+    def fields(self, *names: str) -> dict[str, Any]:
+        """The config values a stage depends on (``"ppo"``, ``"env.name"``...), for its version hash."""
+        resolved, picked = config_to_dict(self.config), {}
+        for name in names:
+            value: Any = resolved
+            for key in name.split("."):
+                value = value[key] if isinstance(value, dict) else None
+            picked[name] = value
+        return picked
+
+
+@dataclass
+class StageResult:
+    """What a stage's compute function hands back for the commit."""
+
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+    folders: dict[str, Path] = field(default_factory=dict)  # name -> local folder (checkpoints)
+    figures: dict[str, float] = field(default_factory=dict)  # the numbers of the log line and MLflow
+    policy_version: int | None = None
+    skipped: str | None = None  # why a stage had nothing to do (e.g. GRPO has no critic)
+    seeds: dict[str, int] = field(default_factory=dict)
+
+
+def run_stage(ctx: RunContext, iteration: int, stage: str, *, depends_on: Mapping[str, Any],
+              upstream: Mapping[str, Manifest], compute: Callable[[Path], StageResult]) -> Manifest:
+    """Run ``compute`` unless the stage is already committed at its expected version; commit its result."""
+    version = stage_version(stage, dict(depends_on), sorted(m.hash for m in upstream.values()))
+    existing = ctx.store.manifest(ctx.run_id, iteration, stage)
+    if existing is not None and existing.version == version:
+        log.info("[it %d] %-12s committed earlier, skipped", iteration, stage)
+        return existing
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"focus-{stage}-") as scratch:
+        result = compute(Path(scratch))
+        compute_s = time.perf_counter() - started
+        if os.environ.get(KILL_AT_ENV) == f"{iteration}:{stage}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        manifest = ctx.store.commit(
+            ctx.run_id, iteration, stage, version=version, tables=result.tables, folders=result.folders,
+            upstream={name: m.hash for name, m in upstream.items()}, seeds=result.seeds,
+            policy_version=result.policy_version, timings={"compute_s": compute_s}, figures=result.figures,
+            skipped=result.skipped,
+        )
+    log.info("[it %d] %-12s %s (%.1f s)", iteration, stage, _describe(result), compute_s)
+    return manifest
+
+
+def _describe(result: StageResult) -> str:
+    if result.skipped:
+        return f"skipped: {result.skipped}"
+    return ", ".join(f"{name} {_number(value)}" for name, value in result.figures.items()) or "done"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:.3g}"

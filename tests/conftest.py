@@ -1,0 +1,45 @@
+"""Shared fixtures: a real S3 server (SeaweedFS) for the tests that talk to object storage.
+
+The S3 tests run against the same kind of server a developer or CI uses (``infra.services``), not an
+in-process mock, so endpoint configuration, signatures, listings and error translation are exercised for
+real. The server starts lazily, once per pytest process: under ``pytest -n 2`` each xdist worker starts
+its own on free ports (SeaweedFS answers in about a second), and it is stopped when the session ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# Client variables that would redirect or re-sign the test's S3 requests; hidden while the server runs.
+_OVERRIDING_AWS_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
+@pytest.fixture(scope="session")
+def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A SeaweedFS server on free ports; the AWS_* variables point at it for the rest of the session."""
+    from infra.services import start_s3
+
+    service = start_s3(tmp_path_factory.mktemp("s3-service"))
+    client_env = {key: value for key, value in service.env.items() if key.startswith("AWS_")}  # not FOCUS_STORE
+    saved = {key: os.environ.get(key) for key in (*client_env, *_OVERRIDING_AWS_VARIABLES)}
+    for key in _OVERRIDING_AWS_VARIABLES:
+        os.environ.pop(key, None)
+    os.environ.update(client_env)
+    try:
+        yield service
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        service.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_store_root(s3_service) -> str:
+    """``s3://focus/<prefix>`` on the session's server; tests add their own sub-prefix to stay apart."""
+    return f"s3://focus/tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"

@@ -1,0 +1,183 @@
+"""End to end: `focus train` / `resume` / `runs` / `sql` as a user runs them, in subprocesses.
+
+Real components throughout: the Prefect flow in its ephemeral mode, a local sqlite MLflow store,
+DuckDB over the committed Parquet, and for the S3 case a real SeaweedFS server. The config is the
+smallest that exercises every stage (one acquisition round, a 1-layer model, a few tasks). SFT is
+bounded by epochs, not seconds, so two runs with the same seed produce the same tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from focus_core.artifacts import ArtifactStore
+
+pytestmark = pytest.mark.slow
+
+TINY = """
+method: {method}
+seed: 3
+iterations: {iterations}
+env: {{name: legal, eval_tasks: 3}}
+model: {{layers: 1, hidden: 32, heads: 2, intermediate: 64, vocab_size: 400}}
+bootstrap: {{demonstrations: 12, epochs: 1, max_seconds: 10000}}
+agent: {{compression: notes, max_turns: 5, max_action_tokens: 40}}
+budget: {{prompts_per_iteration: 2, group_size_grpo: 4, group_size_main: 2, expected_episode_tokens: 120}}
+ppo: {{lr: 1.0e-4, epochs: 1}}
+"""
+FOCUS_EXTRA = "acquisition: {rounds: 1, chunk_size: 1}\ncritic: {steps: 10, hidden: 16}\n"
+# Every stage of a one-iteration FOCUS run, in order, as "iteration:stage".
+STAGES = ["0:bootstrap", "0:evaluate", "0:rollout", "0:segment", "0:acquire_r0", "0:branch_r0", "0:fit_critic_r0",
+          "0:advantage", "0:update", "1:evaluate"]
+TABLES = ("rollouts", "episodes", "states", "acquisition", "branches", "values", "advantages", "updates",
+          "evaluation", "budget_ledger")
+
+
+def write_config(tmp_path: Path, method: str = "focus", iterations: int = 1) -> Path:
+    path = tmp_path / f"{method}.yaml"
+    path.write_text(TINY.format(method=method, iterations=iterations) + (FOCUS_EXTRA if method == "focus" else ""))
+    return path
+
+
+def focus(*args: str, cwd: Path, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the `focus` CLI in a fresh process, isolated: its own Prefect home and MLflow store under cwd.
+
+    The process gets its own process group, removed whole afterwards: a `focus` killed with SIGKILL
+    leaves Prefect's temporary API server (its child) behind, which would hold the output pipes open.
+    """
+    environ = {key: value for key, value in os.environ.items() if key != "FOCUS_KILL_AT"}
+    environ |= {"PREFECT_HOME": str(cwd / ".prefect"), "OMP_NUM_THREADS": "1",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{cwd / 'mlruns.db'}", **(env or {})}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=environ, stdout=out,
+                                 stderr=err, text=True, start_new_session=True)
+        try:
+            returncode = child.wait(timeout=900)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(child.args, returncode, out.read(), err.read())
+    if check and done.returncode != 0:
+        raise AssertionError(f"focus {' '.join(args)} exited {done.returncode}\n{done.stdout}\n{done.stderr[-4000:]}")
+    return done
+
+
+def table_rows(store: ArtifactStore, run_id: str, table: str) -> list[dict]:
+    rows = []
+    for iteration, stage, manifest in store.committed(run_id):
+        if table in manifest.tables:
+            rows += store.read_table(run_id, iteration, stage, table).to_pylist()
+    return rows
+
+
+def comparable(rows: list[dict]) -> list[str]:
+    return sorted(json.dumps(row, sort_keys=True, default=str) for row in rows)
+
+
+def test_train_two_iterations_local_then_inspect(tmp_path):
+    config = write_config(tmp_path, iterations=2)
+    focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "e2e", cwd=tmp_path)
+    store = ArtifactStore(tmp_path / "runs")
+    info = store.run_info("e2e")
+    assert info["status"] == "finished"
+    stages = {(i, s) for i, s, _ in store.committed("e2e")}
+    assert (1, "update") in stages and (2, "evaluate") in stages
+    # Segment rewards sum to the episode reward, for every main and branch episode.
+    episodes = table_rows(store, "e2e", "episodes")
+    states = table_rows(store, "e2e", "states")
+    totals: dict[str, float] = {}
+    for row in states:
+        totals[row["episode_id"]] = totals.get(row["episode_id"], 0.0) + row["segment_reward"]
+    main = [e for e in episodes if not e["is_branch"]]
+    assert main and all(abs(totals[e["episode_id"]] - e["reward"]) < 1e-12 for e in main)
+    # The ledger never goes over the budget.
+    for iteration in (0, 1):
+        spent = sum(r["tokens"] for r in table_rows(store, "e2e", "budget_ledger") if r["iteration"] == iteration)
+        budget = {r["budget"] for r in table_rows(store, "e2e", "budget_ledger") if r["iteration"] == iteration}
+        assert len(budget) == 1 and spent <= budget.pop()
+    # Every named query runs on the finished run.
+    from flows.sql import NAMED_QUERIES
+
+    for name in NAMED_QUERIES:
+        out = focus("sql", "e2e", name, "--store", str(tmp_path / "runs"), cwd=tmp_path)
+        assert out.stdout.strip(), name
+    runs = focus("runs", "--store", str(tmp_path / "runs"), cwd=tmp_path).stdout
+    assert "e2e" in runs and "finished" in runs
+
+
+def test_train_against_seaweedfs_s3(tmp_path, s3_store_root):
+    config = write_config(tmp_path, method="grpo", iterations=2)
+    focus("train", "--config", str(config), "--store", s3_store_root, "--run-id", "s3run", cwd=tmp_path)
+    store = ArtifactStore(s3_store_root)
+    assert store.run_info("s3run")["status"] == "finished"
+    skipped = store.manifest("s3run", 0, "acquire_r0")
+    assert skipped is not None and skipped.skipped  # GRPO records that it does not branch
+    out = focus("sql", "s3run", "reward_trend", "--store", s3_store_root, cwd=tmp_path).stdout
+    assert "0" in out
+
+
+def test_kill_during_every_stage_then_resume_equals_uninterrupted(tmp_path):
+    config = write_config(tmp_path)
+    reference_root, killed_root = tmp_path / "reference", tmp_path / "killed"
+    focus("train", "--config", str(config), "--store", str(reference_root), "--run-id", "same", cwd=tmp_path)
+
+    first = focus("train", "--config", str(config), "--store", str(killed_root), "--run-id", "same", cwd=tmp_path,
+                  env={"FOCUS_KILL_AT": STAGES[0]}, check=False)
+    assert first.returncode == -9, first.stderr[-2000:]
+    store = ArtifactStore(killed_root)
+    for target in STAGES[1:]:
+        before = {(i, s): m.created_at for i, s, m in store.committed("same")}
+        resumed = focus("resume", "same", "--store", str(killed_root), cwd=tmp_path, env={"FOCUS_KILL_AT": target},
+                        check=False)
+        assert resumed.returncode == -9, (target, resumed.stderr[-2000:])
+        after = {(i, s): m.created_at for i, s, m in store.committed("same")}
+        # Nothing committed before the kill was recomputed; the killed stage left no manifest.
+        assert all(after[key] == created for key, created in before.items())
+        iteration, stage = target.split(":")
+        assert store.manifest("same", int(iteration), stage) is None
+    focus("resume", "same", "--store", str(killed_root), cwd=tmp_path)
+    assert store.run_info("same")["status"] == "finished"
+
+    reference = ArtifactStore(reference_root)
+    for table in TABLES:
+        assert comparable(table_rows(store, "same", table)) == comparable(table_rows(reference, "same", table)), table
+
+
+def test_bad_input_fails_clearly_and_commits_nothing(tmp_path):
+    runs = tmp_path / "runs"
+    out = focus("train", "--set", "ppo.learning_rate=1", "--store", str(runs), cwd=tmp_path, check=False)
+    assert out.returncode == 2 and "ppo.learning_rate" in out.stderr and "valid keys" in out.stderr
+    out = focus("train", "--set", "model.source=/no/such/model", "--store", str(runs), cwd=tmp_path, check=False)
+    assert out.returncode != 0 and "/no/such/model" in out.stderr
+    out = focus("train", "--store", "s3://focus/runs", cwd=tmp_path, check=False,
+                env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"})
+    assert out.returncode == 2 and "cannot reach S3 endpoint" in out.stderr
+    out = focus("resume", "nope", "--store", str(runs), cwd=tmp_path, check=False)
+    assert out.returncode == 2 and "no run 'nope'" in out.stderr
+    # Every problem was caught before the run started: no run record, no manifest.
+    assert not runs.exists() or ArtifactStore(runs).list_runs() == []
+
+
+def test_corrupt_part_is_detected_on_resume(tmp_path):
+    config = write_config(tmp_path, method="grpo")
+    focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "c", cwd=tmp_path,
+          env={"FOCUS_KILL_AT": "0:advantage"}, check=False)
+    store = ArtifactStore(tmp_path / "runs")
+    part = next((tmp_path / "runs" / "c" / "iteration=0000" / "rollout" / "rollouts").glob("part-*.parquet"))
+    part.write_bytes(part.read_bytes()[:100])
+    out = focus("resume", "c", "--store", str(tmp_path / "runs"), cwd=tmp_path, check=False)
+    assert out.returncode == 2 and "part-" in out.stderr
+    assert store.manifest("c", 0, "advantage") is None
+    assert pc.sum(store.read_table("c", 0, "evaluation", "evaluation").column("n_turns")).as_py() > 0

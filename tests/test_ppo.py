@@ -1,0 +1,240 @@
+"""Policy update: the trainer recomputes the sampler's log-probs (ratio 1 on the first step), advantages move
+log-probs the right way, zero advantages move nothing, masked positions are inert, the two loss aggregations scale
+as documented, clipping starts after the first step, and bad numbers fail loudly."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from focus_core.config import PPOConfig
+from focus_core.policy import chat_ids, tiny_policy, train_tokenizer
+from focus_core.ppo import TrainingSequence, UpdateReport, policy_update, sequence_logprobs
+
+CORPUS = [
+    f'search("city {i % 7}") returned {i % 3} results. open(doc_{i}) -> The answer is {i * 7 % 13}.\n'
+    for i in range(200)
+]
+SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "max_context": 256}
+ROW_KEYS = ["epoch", "step", "loss", "policy_loss", "kl", "clip_fraction", "entropy", "grad_norm", "lr"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return tiny_policy(train_tokenizer(CORPUS, vocab_size=400), seed=3, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def sampled(policy):
+    """Sequences as rollouts store them: a single turn of two prompt lengths, and a two-turn sequence whose tool
+    output sits between two trained spans (mask 0, 1…1, 0…0, 1…1), sampled at temperature 0.7 and top-p 0.9."""
+    tok = policy.tokenizer
+    prompts = [
+        chat_ids(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
+        for text in ("Find city 3.", "Which entry says the answer is 5? Search the corpus for it.")
+    ]
+    sample = {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "stop_token_ids": set()}
+    sequences = []
+    for prompt, group in zip(prompts, policy.generate(prompts, n=2, seed=1, **sample), strict=True):
+        for g in group:
+            sequences.append(_sequence(prompt, [(g.token_ids, g.logprobs, 1)]))
+    first = sequences[0]
+    tool = tok.encode("[1] entry 12: The answer is 5.")
+    context = list(first.token_ids) + tool
+    second = policy.generate([context], n=1, seed=2, **sample)[0][0]
+    turns = [
+        (first.token_ids[len(prompts[0]) :], first.old_logprobs[len(prompts[0]) :], 1),
+        (tool, [0.0] * len(tool), 0),
+        (second.token_ids, second.logprobs, 1),
+    ]
+    sequences.append(_sequence(prompts[0], turns))
+    return sequences
+
+
+def _sequence(prompt, turns) -> TrainingSequence:
+    ids, logprobs, mask = list(prompt), [0.0] * len(prompt), [0] * len(prompt)
+    for tokens, lps, trained in turns:
+        ids += list(tokens)
+        logprobs += [float(x) * trained for x in lps]
+        mask += [trained] * len(tokens)
+    return TrainingSequence(np.array(ids), np.array(logprobs, dtype=np.float32), np.array(mask))
+
+
+def _advantages(sequences, value=None, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (rng.normal(size=len(s.loss_mask)) if value is None else np.full(len(s.loss_mask), float(value))) * s.loss_mask
+        for s in sequences
+    ]
+
+
+def _update(policy, sequences, advantages, **kw) -> tuple[torch.nn.Module, UpdateReport]:
+    model = copy.deepcopy(policy.model)
+    config = PPOConfig(**{"epochs": 1, "lr": 1e-3, **kw.pop("config", {})})
+    return model, policy_update(model, sequences, advantages, config, **kw)
+
+
+def _trained_logprob(model, sequence) -> float:
+    return float(sequence_logprobs(model, [sequence])[0].sum())
+
+
+# ---------------------------------------------------------------------- fidelity
+
+
+def test_trainer_recomputes_the_sampler_logprobs(policy, sampled):
+    """Right-padded batches of different lengths, with a tool span in the middle: the same log-probs as the
+    left-padded branched sampler and as the unpadded ``score``; so the first step's ratio is 1."""
+    batched = sequence_logprobs(policy.model, sampled)
+    alone = [sequence_logprobs(policy.model, [s])[0] for s in sampled]
+    for seq, together, single in zip(sampled, batched, alone, strict=True):
+        trained = seq.loss_mask == 1
+        assert np.abs(together - seq.old_logprobs)[trained].max() < 1e-4
+        np.testing.assert_allclose(together, single, atol=1e-5)
+        assert not together[~trained].any()
+        start = int(np.argmax(trained))
+        scored = policy.score(list(seq.token_ids[:start]), list(seq.token_ids[start:]))
+        np.testing.assert_allclose(together[start:][trained[start:]], np.array(scored)[trained[start:]], atol=1e-5)
+
+    _, report = _update(policy, sampled, _advantages(sampled), config={"epochs": 2})
+    assert report.behaviour_logprob_gap < 1e-4  # |ratio − 1| < 1e-4 on every token of the first step
+    first = report.rows[0]
+    assert first["clip_fraction"] == 0.0 and first["kl"] == 0.0
+    assert [list(row) for row in report.rows] == [ROW_KEYS] * len(report.rows)
+    assert report.sequences == len(sampled) and report.policy_tokens == sum(int(s.loss_mask.sum()) for s in sampled)
+    assert report.tokens == sum(len(s.token_ids) for s in sampled)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_advantage_sign_moves_the_logprob(policy, sampled, sign):
+    sequence = sampled[-1]
+    before = _trained_logprob(policy.model, sequence)
+    model, _ = _update(policy, [sequence], [sign * sequence.loss_mask.astype(float)])
+    assert sign * (_trained_logprob(model, sequence) - before) > 0.05
+
+
+def test_zero_advantages_change_nothing(policy, sampled):
+    model, report = _update(policy, sampled, _advantages(sampled, value=0.0), config={"epochs": 2}, batch_tokens=64)
+    assert len(report.rows) > 2
+    assert all(row["grad_norm"] == 0.0 and row["loss"] == 0.0 for row in report.rows)
+    for name, weight in policy.model.state_dict().items():
+        assert torch.equal(weight, model.state_dict()[name]), name
+
+
+def test_masked_positions_cannot_change_anything(policy, sampled):
+    """verl-style invariance: garbage where loss_mask = 0 gives the same steps and the same weights."""
+    rng = np.random.default_rng(5)
+    advantages = _advantages(sampled)
+    garbage_sequences, garbage_advantages = [], []
+    for seq, adv in zip(sampled, advantages, strict=True):
+        untrained = seq.loss_mask == 0
+        junk = rng.choice([np.nan, np.inf, -np.inf, 1e9, -37.0, 5.0], size=len(adv))
+        garbage_sequences.append(
+            TrainingSequence(seq.token_ids, np.where(untrained, junk, seq.old_logprobs), seq.loss_mask)
+        )
+        garbage_advantages.append(np.where(untrained, junk[::-1], adv))
+    kw = {"config": {"epochs": 2, "entropy_coef": 0.01}, "batch_tokens": 96, "seed": 4}
+    clean_model, clean = _update(policy, sampled, advantages, **kw)
+    dirty_model, dirty = _update(policy, garbage_sequences, garbage_advantages, **kw)
+    assert clean.rows == dirty.rows and len(clean.rows) > 2
+    for name, weight in clean_model.state_dict().items():
+        assert torch.equal(weight, dirty_model.state_dict()[name]), name
+
+
+# ---------------------------------------------------------------------- aggregation, clipping, KL
+
+
+def test_constant_normaliser_scaling(policy):
+    """token_mean divides each minibatch's sum by its policy tokens T; constant by C · n̄, n̄ = mean sequences per
+    minibatch of the epoch. Four 40-token and two 80-token inputs with 10 trained tokens each, 160 padded tokens
+    per minibatch: minibatches of 4 and 2 sequences, n̄ = 3, so constant/token_mean = 10·rows / (C·3)."""
+    rng = np.random.default_rng(0)
+    sequences = []
+    for length in (41, 41, 41, 41, 81, 81):
+        mask = np.zeros(length, dtype=int)
+        mask[rng.choice(np.arange(1, length), size=10, replace=False)] = 1
+        sequences.append(TrainingSequence(rng.integers(0, 400, size=length), np.zeros(length), mask))
+    sequences = [
+        TrainingSequence(s.token_ids, lp, s.loss_mask)
+        for s, lp in zip(sequences, sequence_logprobs(policy.model, sequences), strict=True)
+    ]
+    advantages = _advantages(sequences, seed=1)
+    # A negligible rate keeps the weights (and so the per-step sums) the same in both runs.
+    common = {"epochs": 1, "lr": 1e-12}
+    _, mean = _update(policy, sequences, advantages, config=common, batch_tokens=160)
+    _, constant = _update(
+        policy,
+        sequences,
+        advantages,
+        config={**common, "loss_agg": "constant", "constant_normaliser": 64},
+        batch_tokens=160,
+    )
+    ratios = sorted(c["policy_loss"] / m["policy_loss"] for c, m in zip(constant.rows, mean.rows, strict=True))
+    np.testing.assert_allclose(ratios, [10 * 2 / (64 * 3), 10 * 4 / (64 * 3)], rtol=1e-5)
+
+
+def test_clip_fraction_is_zero_on_policy_and_grows_after_a_large_step(policy, sampled):
+    _, report = _update(policy, sampled, _advantages(sampled), config={"epochs": 3, "lr": 3e-2})
+    assert len(report.rows) == 3  # one minibatch per epoch
+    assert report.rows[0]["clip_fraction"] == 0.0
+    assert report.rows[-1]["clip_fraction"] > 0.0
+    assert report.approx_kl > 0.0 and report.clip_fraction > 0.0
+
+
+def test_kl_to_reference_starts_at_zero_and_pulls_back(policy, sampled):
+    advantages = _advantages(sampled)
+    reference = policy.model
+    settings = {"epochs": 3, "lr": 1e-2}
+    _, free = _update(policy, sampled, advantages, config=settings, reference_model=reference)
+    _, tied = _update(policy, sampled, advantages, config={**settings, "kl_coef": 10.0}, reference_model=reference)
+    assert free.rows[0]["kl"] < 1e-9 and free.rows[-1]["kl"] > 0.0
+    assert tied.rows[-1]["kl"] < free.rows[-1]["kl"]
+    with pytest.raises(ValueError, match="needs a reference_model"):
+        _update(policy, sampled, advantages, config={"kl_coef": 0.1})
+
+
+def test_optimizer_state_carries_over_with_this_calls_rate(policy, sampled):
+    model, first = _update(policy, sampled, _advantages(sampled))
+    second = policy_update(
+        model, sampled, _advantages(sampled), PPOConfig(epochs=1, lr=5e-4), optimizer_state=first.optimizer_state
+    )
+    assert second.rows[0]["lr"] == 5e-4
+    assert second.optimizer_state["state"][0]["step"].item() == 2
+    assert second.optimizer_state["param_groups"][0]["lr"] == 5e-4
+
+
+# ---------------------------------------------------------------------- failures
+
+
+def test_non_finite_inputs_raise_before_any_step(policy, sampled):
+    model = copy.deepcopy(policy.model)
+    weights = copy.deepcopy(model.state_dict())
+    steps = []
+    advantages = _advantages(sampled)
+    advantages[1][np.flatnonzero(sampled[1].loss_mask)[3]] = np.nan
+    with pytest.raises(ValueError, match=r"sequence 1: advantages are not finite at trained positions"):
+        policy_update(model, sampled, advantages, PPOConfig(lr=1e-2), progress=steps.append)
+    bad = sampled[2]
+    broken = TrainingSequence(bad.token_ids, np.where(bad.loss_mask == 1, -np.inf, 0.0), bad.loss_mask)
+    with pytest.raises(ValueError, match=r"sequence 2: old_logprobs are not finite"):
+        policy_update(model, [*sampled[:2], broken], _advantages(sampled[:3]), PPOConfig(lr=1e-2))
+    assert steps == []
+    assert all(torch.equal(w, model.state_dict()[k]) for k, w in weights.items())
+
+
+def test_non_finite_loss_names_the_step_and_cause(policy, sampled):
+    model = copy.deepcopy(policy.model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[:, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"new log-probabilities at epoch 0, step 0: .*logits are not"):
+        policy_update(model, sampled, _advantages(sampled), PPOConfig())
