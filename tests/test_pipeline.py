@@ -179,5 +179,6 @@ def test_corrupt_part_is_detected_on_resume(tmp_path):
     part.write_bytes(part.read_bytes()[:100])
     out = focus("resume", "c", "--store", str(tmp_path / "runs"), cwd=tmp_path, check=False)
     assert out.returncode == 2 and "part-" in out.stderr
-    assert store.manifest("c", 0, "advantage") is None
-    assert pc.sum(store.read_table("c", 0, "evaluation", "evaluation").column("n_turns")).as_py() > 0
+    # The update, the first stage that reads the rollout turns, refused them and committed nothing.
+    assert store.manifest("c", 0, "update") is None
+    assert pc.sum(store.read_table("c", 0, "evaluate", "evaluation").column("n_turns")).as_py() > 0

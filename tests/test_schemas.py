@@ -107,7 +107,6 @@ def example_row(table: str) -> dict:
             "return": 0.0,
             "generated_tokens": 1980,
             "truncated": False,
-            "budget_cut": False,
         },
         "values": {
             **RUN,

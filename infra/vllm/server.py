@@ -82,7 +82,11 @@ def free_port() -> int:
 
 
 class VLLMServer:
-    """One ``vllm`` OpenAI-compatible server process serving ``model`` (a Hugging Face folder) on loopback."""
+    """One ``vllm`` OpenAI-compatible server process serving ``model`` (a Hugging Face folder) on loopback.
+
+    ``threads``: CPU cores for the engine; ``port``: default a free one; ``log_path``: default a temp file that a
+    clean ``stop`` removes (a failed start keeps it and names it in the error).
+    """
 
     def __init__(
         self,
@@ -110,6 +114,7 @@ class VLLMServer:
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path) if log_path else None
+        self._temp_log = False  # a log we created; removed by a clean stop(), kept after a failed start
         self.init_seconds: float | None = None  # wall time of the last start, process launch to healthy
         self._process: subprocess.Popen | None = None
 
@@ -139,6 +144,7 @@ class VLLMServer:
             handle, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
             os.close(handle)
             self.log_path = Path(name)
+            self._temp_log = True
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(
@@ -154,6 +160,7 @@ class VLLMServer:
         try:
             self._wait_healthy()
         except BaseException:
+            self._temp_log = False  # keep the log: the error message points at it
             self.stop()
             raise
         self.init_seconds = time.perf_counter() - started
@@ -174,6 +181,9 @@ class VLLMServer:
                 process.wait(timeout=grace)
         # The engine-core and worker children can outlive the API server by a moment; reap the group too.
         _signal_group(process.pid, signal.SIGKILL)
+        if self._temp_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._temp_log = None, False
 
     def restart(self, model: str | Path | None = None) -> str:
         """Stop and start again, optionally on another model folder (same port unless it was taken)."""
