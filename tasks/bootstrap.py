@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
 
 from focus_core.agent.sft import warm_start
 from focus_core.artifacts import Manifest
@@ -27,10 +28,15 @@ def compute(ctx: RunContext, scratch: Path) -> StageResult:
     cfg = ctx.config
     seed = ctx.seed(0, STAGE)
     if cfg.model.source == "tiny":
-        policy, report = warm_start(env_factory(ctx), tasks(ctx, "train"), cfg.agent, cfg.model, cfg.bootstrap,
-                                    seed=seed)
+        with tqdm(desc="SFT warm start", unit="step", leave=False) as bar:
+            def progress(step: int, loss: float) -> None:
+                bar.update(step - bar.n)
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+            policy, report = warm_start(env_factory(ctx), tasks(ctx, "train"), cfg.agent, cfg.model, cfg.bootstrap,
+                                        seed=seed, progress=progress)
         figures = {"sft_steps": report.steps, "sft_epochs": report.epochs_done, "sft_loss": report.final_loss,
-                   "sft_seconds": report.seconds, "parameters": sum(p.numel() for p in policy.model.parameters())}
+                   "parameters": sum(p.numel() for p in policy.model.parameters())}
     else:
         policy = load_policy(cfg.model.source)
         figures = {"parameters": sum(p.numel() for p in policy.model.parameters())}

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
 
 from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
@@ -40,7 +41,9 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
     policy = policy_at(ctx, policy_manifest)
     reference_model = policy_at(ctx, reference).model if cfg.ppo.kl_coef > 0 else None
     seed = ctx.seed(iteration, STAGE)
-    report = policy_update(policy.model, sequences, token_adv, cfg.ppo, reference_model=reference_model, seed=seed)
+    with tqdm(desc=f"it {iteration} update", unit="step", leave=False) as bar:
+        report = policy_update(policy.model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
+                               seed=seed, progress=lambda row: bar.update(1))
     policy.version = policy_manifest.policy_version + 1
     policy.save(scratch / POLICY_FOLDER)
     rows = [{"run_id": ctx.run_id, "iteration": iteration, "policy_version": policy_manifest.policy_version, **row}
