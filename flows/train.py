@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -143,7 +142,3 @@ def _publish(ctx: RunContext, i: int, stages: dict[str, Manifest]) -> None:
 
 def _short(value) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
-
-
-def checkpoint_path(ctx: RunContext, manifest: Manifest, name: str) -> Path:
-    return ctx.store.fetch_folder(ctx.run_id, manifest.iteration, manifest.stage, name)

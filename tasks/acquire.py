@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -25,18 +24,12 @@ from focus_core.acquisition import Candidates, Request, advantage_sensitivity, a
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
-from tasks.inputs import CRITIC_FOLDER, read
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens
 from tasks.stage import RunContext, StageResult, run_stage
 
 
 def stage_name(round_idx: int) -> str:
     return f"acquire_r{round_idx}"
-
-
-def spent_tokens(ctx: RunContext, manifests: Sequence[Manifest]) -> int:
-    """Generated tokens already charged this iteration, from the budget_ledger tables of ``manifests``."""
-    return sum(int(pc.sum(read(ctx, m, "budget_ledger").column("tokens")).as_py() or 0)
-               for m in manifests if not m.skipped)
 
 
 def distinct_states(states: pa.Table) -> tuple[pa.Table, np.ndarray]:
@@ -81,8 +74,8 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
         "state_id": states.column("state_id"), "policy_version": states.column("policy_version"),
         "round": pa.array([round_idx] * n, pa.int32()),
-        "critic_mean": _floats_or_nulls(None if members is None else candidates.mean, n),
-        "critic_std": _floats_or_nulls(None if members is None else np.sqrt(candidates.variance), n),
+        "critic_mean": floats_or_nulls(None if members is None else candidates.mean, n),
+        "critic_std": floats_or_nulls(None if members is None else np.sqrt(candidates.variance), n),
         "cost_estimate": pa.array(candidates.cost, pa.float64()),
         "score": pa.array([None if np.isnan(s) else float(s) for s in allocation.score], pa.float64()),
         "continuations": pa.array(allocation.counts, pa.int32()),
@@ -93,10 +86,6 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                "estimated_tokens": round(allocation.estimated_tokens)}
     return StageResult(tables={"acquisition": table}, figures=figures, policy_version=segment.policy_version,
                        seeds={"acquire": seed})
-
-
-def _floats_or_nulls(values: np.ndarray | None, n: int) -> pa.Array:
-    return pa.nulls(n, pa.float64()) if values is None else pa.array(values, pa.float64())
 
 
 @task(name="acquire", retries=1, cache_policy=NO_CACHE)

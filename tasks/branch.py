@@ -25,8 +25,7 @@ from focus_core.artifacts import Manifest
 from focus_core.budget import BudgetLedger
 from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
 from focus_core.schemas import content_id, schema_for
-from tasks.acquire import spent_tokens
-from tasks.inputs import env_factory, policy_at, read, tasks
+from tasks.inputs import env_factory, policy_at, read, spent_tokens, tasks
 from tasks.stage import RunContext, StageResult, run_stage
 
 

@@ -26,7 +26,7 @@ from focus_core.acquisition import combine_estimates
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
-from tasks.inputs import CRITIC_FOLDER, read
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read
 from tasks.stage import RunContext, StageResult, run_stage
 
 
@@ -91,18 +91,14 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         "run_id": states.column("run_id"), "iteration": states.column("iteration"),
         "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
         "state_id": states.column("state_id"), "policy_version": states.column("policy_version"),
-        "critic_mean": _floats_or_nulls(critic_mean, rows), "critic_var": _floats_or_nulls(critic_var, rows),
+        "critic_mean": floats_or_nulls(critic_mean, rows), "critic_var": floats_or_nulls(critic_var, rows),
         "mc_mean": pa.array([None if k == 0 else float(m) for k, m in zip(n, mc_mean, strict=True)], pa.float64()),
         "n": pa.array(n, pa.int32()), "value": pa.array(value, pa.float64()),
-        "value_var": _floats_or_nulls(value_var, rows),
+        "value_var": floats_or_nulls(value_var, rows),
     }, schema=schema_for("values"))
     figures["mean_value"] = float(np.mean(value))
     return StageResult(tables={"values": table}, folders=folders, figures=figures,
                        policy_version=segment.policy_version)
-
-
-def _floats_or_nulls(values: np.ndarray | None, n: int) -> pa.Array:
-    return pa.nulls(n, pa.float64()) if values is None else pa.array(values, pa.float64())
 
 
 @task(name="fit_critic", retries=1, cache_policy=NO_CACHE)

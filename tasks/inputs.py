@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from focus_core.artifacts import Manifest
 from focus_core.envs.base import Task, ToolEnv, make_env
@@ -43,3 +46,14 @@ def policy_at(ctx: RunContext, policy: Manifest) -> HFPolicy:
 def read(ctx: RunContext, manifest: Manifest, table: str):
     """A committed table of an upstream stage (only the parts its manifest lists, hash-checked)."""
     return ctx.store.read_table(ctx.run_id, manifest.iteration, manifest.stage, table)
+
+
+def spent_tokens(ctx: RunContext, manifests: Sequence[Manifest]) -> int:
+    """Generated tokens already charged this iteration, from the budget_ledger tables of ``manifests``."""
+    return sum(int(pc.sum(read(ctx, m, "budget_ledger").column("tokens")).as_py() or 0)
+               for m in manifests if not m.skipped)
+
+
+def floats_or_nulls(values, n: int) -> pa.Array:
+    """A float64 column, or n nulls where a method has no such number (e.g. no critic)."""
+    return pa.nulls(n, pa.float64()) if values is None else pa.array(values, pa.float64())
