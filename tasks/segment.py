@@ -33,9 +33,9 @@ def compute(ctx: RunContext, rollout: Manifest, policy_manifest: Manifest, scrat
     features = with_scalar_features(policy_context_features(policy.model, contexts), segment_idx)
     column = states.schema.get_field_index("features")
     states = states.set_column(column, states.schema.field("features"), pa.array(list(features), type=FLOATS))
+    episodes = len(set(states.column("episode_id").to_pylist()))
     figures = {"states": states.num_rows, "distinct_states": len(set(states.column("state_id").to_pylist())),
-               "mean_segments": float(np.mean(np.bincount(np.unique(states.column("episode_id").to_numpy(
-                   zero_copy_only=False), return_inverse=True)[1])))}
+               "mean_segments": states.num_rows / max(1, episodes)}
     return StageResult(tables={"states": states}, figures=figures, policy_version=rollout.policy_version)
 
 
