@@ -20,12 +20,12 @@ CRITIC_FOLDER = "critic"  # the checkpoint folder name in fit_critic stages
 
 def env_factory(ctx: RunContext) -> Callable[[], ToolEnv]:
     env = ctx.config.env
-    return functools.partial(make_env, env.name, **env.options)
+    return functools.partial(make_env, env.name, tier=env.tier, **env.options)
 
 
 @functools.lru_cache(maxsize=8)
 def _tasks(name: str, options: tuple, split: str, tier: str) -> tuple[Task, ...]:
-    return tuple(make_env(name, **dict(options)).tasks(split, tier))
+    return tuple(make_env(name, tier=tier, **dict(options)).tasks(split, tier))
 
 
 def tasks(ctx: RunContext, split: str) -> list[Task]:

@@ -76,12 +76,20 @@ class ToolEnv(abc.ABC):
     tools: ClassVar[tuple[ToolSpec, ...]]
     max_observation_chars: int = 1200
 
-    def __init__(self) -> None:
+    def __init__(self, tier: str = "default") -> None:
+        # Tools may differ by tier (the default tier's take small indices, see the environment modules); the
+        # instance's ``tools`` are those of the tier it was made for, and only that tier's tasks are accepted.
+        self.tools = self.tools_for(tier)
         self.tool_index = {spec.name: spec for spec in self.tools}
         self.task: Task | None = None
         self.done = False
 
     # -- subclasses implement ------------------------------------------------------------------
+
+    @classmethod
+    def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
+        """The tools of a tier; one set for every tier unless an environment overrides this."""
+        return cls.tools
 
     @abc.abstractmethod
     def tasks(self, split: str, tier: str = "default") -> list[Task]:
@@ -110,6 +118,9 @@ class ToolEnv(abc.ABC):
     def reset(self, task: Task) -> str:
         if task.env != self.name:
             raise ValueError(f"task {task.task_id} belongs to environment {task.env!r}, not {self.name!r}")
+        if self.tools_for(task.tier) != self.tools:
+            raise ValueError(f"task {task.task_id} is of tier {task.tier!r}, whose tools this environment does not "
+                             f"offer; fix: make_env({self.name!r}, tier={task.tier!r})")
         self.task, self.done = task, False
         return task.prompt
 

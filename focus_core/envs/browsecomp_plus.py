@@ -291,7 +291,10 @@ class BrowseCompPlusEnv(ToolEnv):
 
     def __init__(self, queries: str | os.PathLike, corpus: str | os.PathLike,
                  cache_dir: str | os.PathLike | None = None, k: int = 5, snippet_chars: int = 1000,
-                 page_chars: int = 5000) -> None:
+                 page_chars: int = 5000, tier: str = "default") -> None:
+        if tier != "default":
+            raise ValueError(f"browsecomp_plus has one tier, 'default' (got {tier!r}); size it with k, "
+                             "snippet_chars and page_chars")
         super().__init__()
         self.queries_path, self.corpus_path = Path(queries), Path(corpus)
         record_files(self.queries_path, FIX_QUERIES, BrowseCompPlusDataError)  # fail early on a wrong path

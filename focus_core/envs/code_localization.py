@@ -162,9 +162,9 @@ class CodeLocalizationEnv(ToolEnv):
             ("location", "string", "path::qualname, e.g. 'lib/textwrap.py::TextWrapper.wrap'"),), ("location",)),
     )
 
-    def __init__(self, modules: tuple[str, ...] | None = None) -> None:
+    def __init__(self, modules: tuple[str, ...] | None = None, tier: str = "default") -> None:
         """``modules`` restricts the repository to a few modules (quick tasks for tests); default: cm.MODULES."""
-        super().__init__()
+        super().__init__(tier)
         self.modules = tuple(modules) if modules else None
         self._tasks: dict[tuple[str, str], list[Task]] = {}
         self.tier = TIERS["default"]

@@ -325,7 +325,10 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
             ("locations",)),
     )
 
-    def __init__(self, dataset: str | os.PathLike, repos_dir: str | os.PathLike, split: str = "heldout") -> None:
+    def __init__(self, dataset: str | os.PathLike, repos_dir: str | os.PathLike, split: str = "heldout",
+                 tier: str = "default") -> None:
+        if tier != "default":
+            raise ValueError(f"swebench_loc has one tier, 'default' (got {tier!r})")
         super().__init__()
         self.dataset_path, self.repos_dir = Path(dataset), Path(repos_dir)
         record_files(self.dataset_path, FIX_DATASET, SWEBenchDataError)  # fail early on a wrong path
