@@ -331,6 +331,15 @@ def segment_starts(
     texts = seg.rows.column("text")
     context_ids = seg.rows.column("token_ids")
     turn_idx = seg.rows.column("turn_idx")
+    is_policy = np.asarray(seg.rows.column("role").to_pylist(), dtype=object) == "policy"
+    episode_first = {int(seg.episode[s]): int(seg.first[s]) for s in np.flatnonzero(seg.is_first)}
+
+    def calls_before(s: int) -> tuple[str, ...]:  # a branch's calls continue its parent's, like its budget
+        code = seg.episode[s]
+        rows = range(episode_first[int(code)], int(seg.first[s]))
+        own = tuple(texts[r].as_py() for r in rows if is_policy[r])
+        return (calls_before(home_of(parent_of[code])) if is_branch[code] else ()) + own
+
     built: dict[str, SegmentStart] = {}
     for state in dict.fromkeys(state_ids):
         s = home_of(state)
@@ -339,7 +348,7 @@ def segment_starts(
             raise ValueError(f"state {state}: task {task_id!r} is not in tasks_by_id; pass the tasks of the run")
         messages = ({"role": "system", "content": system_prompt}, {"role": "user", "content": texts[row].as_py()})
         start = SegmentStart(tasks_by_id[task_id], int(seg.segment_idx[s]), turn_idx[row].as_py(),
-                             budget_before(s), messages, tuple(context_ids[row].as_py()))
+                             budget_before(s), messages, tuple(context_ids[row].as_py()), calls_before(s))
         if start.state_id != state:
             raise ValueError(f"state {state}: the rebuilt start hashes to {start.state_id}; the stored rows or the "
                              f"task {task_id!r} differ from the ones that produced the state")

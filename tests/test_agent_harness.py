@@ -106,9 +106,49 @@ def test_expert_solves_and_compression_makes_branchable_segments(tokenizer):
     start: SegmentStart = episode.starts[1]
     branches = runner.run(starts=[start] * 4)
     assert all(b.parent_state is start and b.starts[0] is start and b.reward == 1.0 for b in branches)
-    # Turn indices continue from the state (the expert, which only sees the branch's own history,
-    # re-checks card alpha, so it may take an extra call).
-    assert all(b.turns[0].turn_idx == start.turn_idx and b.turns[-1].turn_idx > start.turn_idx for b in branches)
+    # Turn indices continue from the state; the branch replayed the calls before it, so the expert goes on
+    # from card beta: two calls (look beta, answer).
+    assert start.calls == ('look(key="alpha")',)
+    assert all(b.turns[0].turn_idx == start.turn_idx and b.n_tool_calls == 2 for b in branches)
+
+
+class CursorEnv(ToolEnv):
+    """A tool with memory: ``next()`` moves a reading position; ``answer()`` is right at position 3."""
+
+    name = "cursor_test"
+    tools = (ToolSpec("next", "move on", (), ()), ToolSpec("answer", "answer here", (), ()))
+
+    def tasks(self, split, tier="default"):
+        return [Task("c0", self.name, split, tier, "Answer at position 3.", "3", "3")]
+
+    def reset(self, task):
+        self.position = 0
+        return super().reset(task)
+
+    def run_tool(self, call):
+        if call.name == "answer":
+            return ToolResult("Correct." if self.position == 3 else "Wrong.", float(self.position == 3), True)
+        self.position += 1
+        return ToolResult(f"at {self.position}")
+
+    def expert_action(self, task, history):
+        return "answer()" if history and history[-1][1] == "at 3" else "next()"
+
+
+def test_branches_replay_the_calls_before_their_state(tokenizer):
+    """With notes compression the context no longer shows the position; replaying the transcript restores it."""
+    runner = AgentRunner(_expert(tokenizer), CursorEnv, AgentConfig(compress_every_turns=1, compression="notes"))
+    (episode,) = runner.run(CursorEnv().tasks("train"))
+    assert episode.reward == 1.0 and episode.n_tool_calls == 4 and episode.n_segments == 4
+    start = episode.starts[2]
+    assert start.calls == ("next()", "next()")
+    branches = runner.run(starts=[start] * 2)
+    assert all(b.reward == 1.0 and b.n_tool_calls == 2 for b in branches)
+    assert [t.text for t in branches[0].turns if t.role == "tool"] == ["at 3", "Correct."]
+    # a state's id covers its calls: the same context after other calls is another environment state
+    assert SegmentStart(**{**start.__dict__, "calls": ("next()",)}).state_id != start.state_id
+    with pytest.raises(ValueError, match="replaying its calls ended the episode"):
+        runner.run(starts=[SegmentStart(**{**start.__dict__, "calls": ("answer()",)})])
 
 
 def test_notes_compression_generates_no_tokens(tokenizer):

@@ -1,6 +1,7 @@
-"""Code localization: mutants, tasks, splits, sandboxed tools, expert and random play, data integrity.
+"""Code localization: mutants, tasks, splits, index and sandboxed tools, expert and random play, data integrity.
 
-Most tests use a quick environment over three modules (generated in seconds, then cached under FOCUS_DATA_DIR).
+Most tests use a quick environment over three modules (generated in seconds, then cached under FOCUS_DATA_DIR):
+``quick`` is the default (index) tier, ``quick_text`` the free-text tools of the ``text`` and ``hard`` tiers.
 The ``slow`` tests use the full default tier; its first generation takes a few minutes (then it is cached).
 """
 
@@ -21,7 +22,7 @@ import pytest
 from focus_core.agent.toolcall import ToolCall
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
-from focus_core.envs.base import ENVIRONMENTS
+from focus_core.envs.base import ENVIRONMENTS, make_env
 
 QUICK = ("textwrap", "colorsys", "pipes")  # pipes is a held-out module, the others train
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +31,11 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def quick() -> cl.CodeLocalizationEnv:
     return cl.CodeLocalizationEnv(modules=QUICK)
+
+
+@pytest.fixture(scope="module")
+def quick_text() -> cl.CodeLocalizationEnv:
+    return cl.CodeLocalizationEnv(modules=QUICK, tier="text")
 
 
 @pytest.fixture(scope="module")
@@ -144,60 +150,151 @@ def test_full_expert_solves_heldout_and_random_fails(full):
     turns = sorted(n for _, n, *_ in results)
     assert 6 <= turns[len(turns) // 2] <= 20
     for _, _, history, _ in results:
-        assert all(len(obs) <= 350 for _, obs in history)
+        assert all(len(obs) <= 400 for _, obs in history)
     random_wins = sum(play(full, task, random_agent(full, i), max_turns=20)[0] for i, task in enumerate(sample))
     assert random_wins / len(sample) <= 0.05
 
 
 # -- expert, random agent, observations -------------------------------------------------------------------------
 
-def test_expert_solves_quick_tasks_within_limits(quick):
-    tasks = quick.tasks("heldout") + quick.tasks("train")[:20]
+def test_text_expert_solves_quick_tasks_within_limits(quick_text):
+    tasks = quick_text.tasks("heldout", tier="text") + quick_text.tasks("train", tier="text")[:20]
     for task in tasks:
         assert len(task.prompt) <= 300
-        reward, turns, history, info = play(quick, task, expert(quick))
+        reward, turns, history, info = play(quick_text, task, expert(quick_text))
         assert reward == 1.0 and info["function_hit"] and info["file_hit"]
         assert 6 <= turns <= 20
         assert all(len(obs) <= 350 and not obs.startswith("Error") for _, obs in history)
         assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
 
 
-def test_expert_recovers_from_injected_mistakes(quick):
+@pytest.mark.parametrize("tier", ["default", "text"])
+def test_expert_recovers_from_injected_mistakes(quick, quick_text, tier):
+    env = quick if tier == "default" else quick_text
     rng, solved = random.Random(1), 0
-    tasks = quick.tasks("heldout")[:10] + quick.tasks("train")[:10]
+    tasks = env.tasks("heldout", tier=tier)[:10] + env.tasks("train", tier=tier)[:10]
     for i, task in enumerate(tasks):
-        noise = random_agent(quick, i)
+        noise = random_agent(env, i)
 
         def mistaken(task, history, observation, noise=noise):
-            return noise(task, history, observation) if rng.random() < 0.3 else quick.expert_action(task, history)
+            action = noise(task, history, observation) if rng.random() < 0.3 else env.expert_action(task, history)
+            # Any default-tier submit is a final answer (no retry), so only the other mistakes can be recovered from.
+            return env.expert_action(task, history) if tier == "default" and action.startswith("submit") else action
 
-        reward, *_ = play(quick, task, mistaken, max_turns=40)
+        reward, *_ = play(env, task, mistaken, max_turns=40)
         solved += reward
     assert solved / len(tasks) >= 0.9
 
 
-def test_random_agent_mostly_fails(quick):
-    tasks = quick.tasks("train") + quick.tasks("heldout")
-    wins = sum(play(quick, task, random_agent(quick, i), max_turns=20)[0] for i, task in enumerate(tasks))
+@pytest.mark.parametrize("tier", ["default", "text"])
+def test_random_agent_mostly_fails(quick, quick_text, tier):
+    env = quick if tier == "default" else quick_text
+    tasks = env.tasks("train", tier=tier) + env.tasks("heldout", tier=tier)
+    wins = sum(play(env, task, random_agent(env, i), max_turns=20)[0] for i, task in enumerate(tasks))
     assert wins / len(tasks) <= 0.05
 
 
-def test_hard_tier_uses_tracebacks_and_is_solvable(quick):
-    tasks = quick.tasks("train", tier="hard")
+def test_hard_tier_uses_tracebacks_and_is_solvable(quick_text):
+    tasks = quick_text.tasks("train", tier="hard")
     assert tasks and all("Traceback" in t.prompt for t in tasks[:10])
     for task in tasks[:5]:
-        reward, turns, *_ = play(quick, task, expert(quick))
+        reward, turns, *_ = play(quick_text, task, expert(quick_text))
         assert reward == 1.0 and turns >= 4
+
+
+# -- the default tier: indices only, pure tools ----------------------------------------------------------------
+
+def test_default_tier_expert_solves_quick_tasks(quick):
+    tasks = quick.tasks("heldout") + quick.tasks("train")[:30]
+    assert tasks and all(t.tier == "default" for t in tasks)
+    for task in tasks:
+        assert len(task.prompt) <= 300 and 1 <= task.facts["gold"] <= len(task.facts["candidates"]) <= 4
+        reward, turns, history, info = play(quick, task, expert(quick))
+        assert reward == 1.0 and info["function_hit"] and 4 <= turns <= 20
+        assert all(len(obs) <= 400 and not obs.startswith("Error") for _, obs in history)
+        assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
+        for action, _ in history:  # one fixed thought line, then a call whose arguments are small integers
+            thought, call = action.split("\n")
+            assert thought in ("Read the failing test.", "Read the traceback.", "Read the next page.",
+                               "Submit the page with the bug.")
+            assert re.fullmatch(r"\w+\((fn=[1-9], page=[1-9])?\)", call), call
+
+
+def test_default_tier_tools_are_pure(quick):
+    task = quick.tasks("train")[0]
+    calls = ["test()", "trace()", *(f"open(fn={fn}, page={page})" for fn, pages in enumerate(task.facts["pages"], 1)
+                                     for page in range(1, pages + 1))]
+    quick.reset(task)
+    first = [quick.step(call)[0] for call in calls]
+    rng = random.Random(0)
+    for _ in range(3):  # the same call gives the same output after any history, and after a fresh reset
+        quick.reset(task)
+        noise = random_agent(quick, rng.randint(0, 99))
+        for _ in range(rng.randint(0, 6)):
+            action = noise(task, [], "")
+            if not action.startswith("submit"):
+                quick.step(action)
+        order = rng.sample(range(len(calls)), len(calls))
+        assert {i: quick.step(calls[i])[0] for i in order} == dict(enumerate(first))
+
+
+def test_default_tier_trace_marks_listed_functions(quick):
+    marked = 0
+    for task in quick.tasks("train") + quick.tasks("heldout"):
+        quick.reset(task)
+        observation, *_ = quick.step("trace()")
+        assert observation.startswith("traceback:") and len(observation) <= 400
+        for name, fn in re.findall(r" in (\S+) \(fn (\d)\)", observation):
+            assert task.facts["candidates"][int(fn) - 1].split(".")[-1] == name
+            marked += 1
+    assert marked
+
+
+@pytest.mark.parametrize("call", ["open(fn=0, page=1)", "open(fn=9, page=1)", "open(fn=1, page=0)",
+                                  "open(fn=1, page=9)", "open(fn=-1, page=1)", "open(fn=1)", 'open(fn="a", page=1)',
+                                  'open(path="lib/textwrap.py")', 'grep(pattern="def")', "test(fn=1)", "submit(fn=1)"])
+def test_default_tier_bad_indices_are_error_observations(quick, call):
+    quick.reset(quick.tasks("train")[0])
+    observation, reward, done, _ = quick.step(call)
+    assert observation.startswith("Error:") and reward == 0.0 and not done
+
+
+def test_default_tier_submit_rewards_the_buggy_page_of_the_mutated_function(quick):
+    task = next(t for t in quick.tasks("train") if len(t.facts["candidates"]) > 1)
+    gold, page = task.facts["gold"], task.facts["gold_page"]
+    other = 1 if gold != 1 else 2
+    for fn, pg, reward in ((gold, page, 1.0), (other, page, 0.0), (gold, page + 1, 0.0), (9, 1, 0.0)):
+        quick.reset(task)
+        observation, got, done, info = quick.step(f"submit(fn={fn}, page={pg})")
+        assert (got, done) == (reward, True) and info["function_hit"] == (fn == gold), observation
+    quick.reset(task)
+    observation, *_ = quick.step(f"open(fn={gold}, page={page})")
+    assert observation.startswith(f"fn {gold}/") and f" page {page}/" in observation.split("\n")[0]
+    assert task.answer == f"{task.facts['path']}::{task.facts['candidates'][gold - 1]}"
+
+
+def test_tier_tools_differ_and_mismatched_tasks_are_rejected(quick, quick_text):
+    assert [s.name for s in quick.tools] == ["test", "trace", "open", "submit"]
+    assert all(kind == "integer" for spec in quick.tools for _, kind, _ in spec.parameters)
+    assert [s.name for s in quick_text.tools] == ["ls", "grep", "open", "search", "submit"]
+    assert [s.name for s in make_env("code_localization", tier="text").tools] == [s.name for s in quick_text.tools]
+    assert "submit(fn, page)" in quick.system_prompt()
+    with pytest.raises(ValueError, match="tier"):
+        quick.reset(quick_text.tasks("train", tier="text")[0])
+    with pytest.raises(ValueError, match="tier"):
+        quick_text.reset(quick.tasks("train")[0])
+    default_ids = {t.task_id for t in quick.tasks("train") + quick.tasks("heldout")}
+    assert not default_ids & {t.task_id for t in quick_text.tasks("train", tier="text")}
 
 
 # -- tools: errors, sandbox, rewards ----------------------------------------------------------------------------
 
 @pytest.fixture
-def episode(quick, tmp_path, monkeypatch):
+def episode(quick_text, tmp_path, monkeypatch):
     monkeypatch.setattr(cl, "_workspace_dir", lambda: tmp_path / "ws")  # a planted link must not outlive the test
-    task = quick.tasks("train")[0]
-    quick.reset(task)
-    return quick, task
+    task = quick_text.tasks("train", tier="text")[0]
+    quick_text.reset(task)
+    return quick_text, task
 
 
 BAD_CALLS = [

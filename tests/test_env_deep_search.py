@@ -43,7 +43,12 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def env(data_dir):
-    return DeepSearchEnv()
+    return DeepSearchEnv()  # the default tier: numbered calls
+
+
+@pytest.fixture(scope="module")
+def text_env(data_dir):
+    return DeepSearchEnv("text")  # the same questions with free-text calls
 
 
 def run_episode(env, task, policy, max_turns=40):
@@ -86,10 +91,13 @@ def test_counts_splits_and_prompts(env):
         assert not any(re.search(rf"\b{re.escape(a)}\b", normalise(task.prompt)) for a in task.facts["aliases"])
     # held-out answers never serve as the hop of a training question
     assert not {t.facts["hop"] for t in train} & heldout_answers
+    text = env.tasks("train", "text") + env.tasks("heldout", "text")
+    assert len(text) >= 600
+    assert not {t.split_key for t in text if t.split == "train"} & {t.split_key for t in text if t.split == "heldout"}
     hard = env.tasks("train", "hard") + env.tasks("heldout", "hard")
     assert len(hard) > 300 and all(len(t.facts["constraints"]) >= 4 for t in hard)
     countries = world().countries
-    for task in train + heldout + hard:  # exactly one answer, and the hop is needed to find it
+    for task in train + heldout + text + hard:  # exactly one answer, and the hop is needed to find it
         facts = [Constraint(kind, value) for kind, value in task.facts["constraints"]]
         hop = world().by_name[task.facts["hop"]]
         assert [c.name for c in countries if c.name in hop.borders and all(f.holds(c) for f in facts)] == [task.answer]
@@ -106,19 +114,69 @@ def test_tasks_deterministic_across_processes_and_cache(env, data_dir, tmp_path)
     assert fresh.stdout == here
 
 
-def test_expert_solves_heldout_with_short_observations(env):
+@pytest.mark.parametrize("tier", ["default", "text"])
+def test_expert_solves_heldout_with_short_observations(tier, env, text_env):
+    env = env if tier == "default" else text_env
     tasks = env.tasks("heldout")[:100]
     results = [run_episode(env, task, expert(env)) for task in tasks]
     assert sum(reward for reward, _ in results) / len(tasks) >= 0.9
     for _, history in results:
         assert 6 <= len(history) <= 20
         assert all(len(observation) <= 350 for _, observation in history)
-    hard = env.tasks("heldout", "hard")[:40]
-    assert sum(run_episode(env, task, expert(env))[0] for task in hard) / len(hard) >= 0.9
+    hard_env = DeepSearchEnv("hard")
+    hard = hard_env.tasks("heldout")[:40]
+    assert sum(run_episode(hard_env, task, expert(hard_env))[0] for task in hard) / len(hard) >= 0.9
 
 
-def test_expert_recovers_from_injected_mistakes(env):
+def test_default_tier_calls_are_numbers_and_reasons_name_no_entity(env):
+    task = env.tasks("heldout")[0]
+    _, history = run_episode(env, task, expert(env))
+    entities = {c.name for c in world().countries} | {c.docid for c in world().countries}
+    for action, _ in history:
+        reason, call = action.split("\n")
+        assert re.fullmatch(r"(search|get_document|answer)\((\w+=\d+(, )?)*\)", call), call
+        assert not any(re.search(rf"\b{re.escape(e)}\b", reason) for e in entities), reason
+    assert [a.split("\n")[1] for a, _ in history[:3]] == ["search()", "get_document(hit=1)",
+                                                         "get_document(hit=1, neighbour=1)"]
+
+
+def test_default_tier_tools_are_pure_functions_of_task_and_call(env):
+    """Branches restart the environment mid-episode without replaying earlier calls: a call must return the same
+    observation whatever came before it."""
+    task = env.tasks("train")[3]
+    _, history = run_episode(env, task, expert(env))
+    for action, observation in history:
+        fresh = DeepSearchEnv()
+        fresh.reset(task)
+        assert fresh.step(action)[0] == observation
+    shuffled = DeepSearchEnv()
+    shuffled.reset(task)
+    for action, observation in reversed(history[:-1]):
+        assert shuffled.step(action)[0] == observation
+
+
+def test_tier_mismatch_is_refused(env, text_env):
+    with pytest.raises(ValueError, match=r"tier 'text'.*make_env\('deep_search', tier='text'\)"):
+        env.reset(text_env.tasks("train")[0])
+    with pytest.raises(ValueError, match=r"tier 'default'.*make_env\('deep_search', tier='default'\)"):
+        text_env.reset(env.tasks("train")[0])
+    with pytest.raises(ValueError, match="deep_search has tiers"):
+        DeepSearchEnv("easy")
+
+
+def test_expert_recovers_from_injected_mistakes(env, text_env):
     rng = random.Random(0)
+    wrong_numbers = ["get_document(hit=2)", "get_document(hit=1, neighbour=3, page=1)", "answer(hit=6)",
+                     "get_document(hit=1, neighbour=40)", "search(1)", "get_document(page=1)", "search()"]
+
+    def noisy_numbers(task, history, _):
+        return rng.choice(wrong_numbers) if rng.random() < 0.3 else env.expert_action(task, history)
+
+    tasks = env.tasks("heldout")[:40]
+    results = [run_episode(env, task, noisy_numbers, max_turns=60) for task in tasks]
+    # every wrong call is an error or a harmless read: search shows five hits, so answer(hit=6) does not end it
+    assert sum(reward for reward, _ in results) / len(tasks) >= 0.9
+    env = text_env
     wrong = ['search(query="Europe")', 'get_document(docid="d001", page=2)', 'get_document(docid="zzz")',
              'search(query="capital")', "get_document(d)", "not a call", 'get_document(docid="d100")']
 
@@ -129,8 +187,20 @@ def test_expert_recovers_from_injected_mistakes(env):
     assert sum(run_episode(env, task, noisy, max_turns=60)[0] for task in tasks) / len(tasks) >= 0.9
 
 
-def test_random_agent_mostly_fails(env):
+def test_random_agent_mostly_fails(env, text_env):
     rng = random.Random(1)
+
+    def random_numbers(task, history, observation):
+        tool = rng.choice(["search", "get_document", "answer"])
+        if tool == "search":
+            return "search()"
+        neighbour = f", neighbour={rng.randint(0, 5)}" if rng.random() < 0.7 else ""
+        page = f", page={rng.randint(0, 3)}" if tool == "get_document" and rng.random() < 0.5 else ""
+        return f"{tool}(hit={rng.randint(0, 4)}{neighbour}{page})"
+
+    tasks = env.tasks("heldout")[:200]
+    assert sum(run_episode(env, task, random_numbers, max_turns=20)[0] for task in tasks) / len(tasks) <= 0.05
+    env = text_env
 
     def random_agent(task, history, observation):
         words = re.findall(r"[\w.+-]+", task.prompt + " " + observation) or ["x"]
@@ -145,7 +215,16 @@ def test_random_agent_mostly_fails(env):
     assert sum(run_episode(env, task, random_agent, max_turns=20)[0] for task in tasks) / len(tasks) <= 0.05
 
 
-def test_bad_calls_are_error_observations(env):
+def test_bad_calls_are_error_observations(env, text_env):
+    task = env.tasks("train")[0]
+    env.reset(task)
+    for action in ["search(query=\"Mali\")", "get_document()", "get_document(hit=0)", "get_document(hit=9)",
+                   "get_document(hit=1, neighbour=0)", "get_document(hit=1, neighbour=99)", "answer(hit=1, page=2)",
+                   "get_document(hit=1, page=99)", "get_document(hit=\"one\")", 'answer(text="Mali")', "x" * 10_000]:
+        observation, reward, done, _ = env.step(action)
+        assert observation.startswith("Error:") and reward == 0.0 and not done, action
+    assert env.step("answer(hit=1)")[:3] == ("Incorrect.", 0.0, True)  # hit 1 is the hop, never the answer
+    env = text_env
     task = env.tasks("train")[0]
     env.reset(task)
     bad = ["", "hello", "search(", 'search(query="a", k=3)', "search()", 'browse(url="x")', "search(query=[1])",

@@ -11,25 +11,39 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from focus_core.agent.scripted import random_action
 from focus_core.agent.toolcall import ToolCall
 from focus_core.envs import legal
 from focus_core.envs.base import split_of
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A LegalEnv whose tasks are generated fresh into a temporary FOCUS_DATA_DIR."""
+def data_dir(tmp_path_factory):
+    """Tasks generated fresh into a temporary FOCUS_DATA_DIR."""
     data_dir = tmp_path_factory.mktemp("focus-data")
     patch = pytest.MonkeyPatch()
     patch.setenv("FOCUS_DATA_DIR", str(data_dir))
     legal.cached_tasks.cache_clear()
-    yield legal.LegalEnv()
+    yield data_dir
     legal.cached_tasks.cache_clear()
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def env(data_dir):
+    """The default tier: numbered tools."""
+    return legal.LegalEnv()
+
+
+@pytest.fixture(scope="module")
+def text_env(data_dir):
+    """The text tier (free-text tools); it also plays the hard tier's tasks."""
+    return legal.LegalEnv("text")
 
 
 def run_episode(env, task, policy, max_turns=30):
@@ -94,20 +108,23 @@ def test_cross_references_and_facts_of_a_known_article():
 # -- tasks and splits ------------------------------------------------------------------------------------
 
 
-def test_counts_and_limits(env):
-    train, heldout = env.tasks("train"), env.tasks("heldout")
+@pytest.mark.parametrize("tier", ["default", "text"])
+def test_counts_and_limits(env, tier):
+    train, heldout = env.tasks("train", tier), env.tasks("heldout", tier)
     assert len(train) >= 500 and len(heldout) >= 100
     for task in train + heldout:
-        assert task.env == "legal" and task.tier == "default" and len(task.prompt) <= 300
+        assert task.env == "legal" and task.tier == tier and len(task.prompt) <= 300
         assert task.split == split_of(task.split_key, legal.HELDOUT_FRACTION, salt="legal")
         assert 6 <= task.facts["turns"] <= 20
     assert len(env.tasks("train", "hard")) > 0 and len(env.tasks("heldout", "hard")) > 0
     with pytest.raises(ValueError):
         env.tasks("test")
+    with pytest.raises(ValueError):
+        legal.LegalEnv("easy")
 
 
 def test_heldout_answers_never_in_train(env):
-    """Across both tiers: no held-out target is a train target or hop, no held-out answer is a train answer."""
+    """Across all tiers: no held-out target is a train target or hop, no held-out answer is a train answer."""
     train = [t for tier in legal.TIERS for t in env.tasks("train", tier)]
     heldout = [t for tier in legal.TIERS for t in env.tasks("heldout", tier)]
 
@@ -137,22 +154,23 @@ def test_tasks_are_deterministic_across_processes(env, tmp_path):
 # -- expert and random agent -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tier", ["default", "hard"])
-def test_expert_solves_heldout(env, tier):
-    tasks = env.tasks("heldout", tier)[:100]
+@pytest.mark.parametrize("tier", ["default", "text", "hard"])
+def test_expert_solves_heldout(env, text_env, tier):
+    player = env if tier == "default" else text_env
+    tasks = player.tasks("heldout", tier)[:100]
     limit = legal.TIERS[tier]["max_obs"]
     wins = 0
     for task in tasks:
-        reward, history = run_episode(env, task, env.expert_action)
+        reward, history = run_episode(player, task, player.expert_action)
         wins += reward
         assert all(len(obs) <= limit for _, obs in history)
-        if tier == "default":
+        if tier != "hard":
             assert 6 <= len(history) <= 20
     assert wins / len(tasks) >= 0.9
 
 
 def observation_only_policy(task, history):
-    """The default tier's algorithm from the prompt and the observations alone (no hidden facts): what a tiny
+    """The text tier's algorithm from the prompt and the observations alone (no hidden facts): what a tiny
     model has to learn. Search the quoted phrase, open hit 1, page on while "next:", follow the asked citation,
     then copy the opening clause, the asked fact line or the first citation."""
     law, phrase = re.match(r'Law: (\S+)\. Find the article containing "(\S+)"', task.prompt).groups()
@@ -182,50 +200,51 @@ def observation_only_policy(task, history):
     return read(cites[nth][1:], 1)
 
 
-def test_default_tier_is_solvable_from_observations_alone(env):
-    tasks = env.tasks("heldout") + env.tasks("train")[:100]
-    wins = sum(run_episode(env, task, observation_only_policy)[0] for task in tasks)
+def test_text_tier_is_solvable_from_observations_alone(text_env):
+    tasks = text_env.tasks("heldout", "text") + text_env.tasks("train", "text")[:100]
+    wins = sum(run_episode(text_env, task, observation_only_policy)[0] for task in tasks)
     assert wins / len(tasks) >= 0.95
 
 
-def test_expert_recovers_from_injected_mistakes(env):
+def test_text_expert_recovers_from_injected_mistakes(text_env):
     rng = random.Random(0)
     wrong = ['search_statute(query="民法典 合同")', 'read_article(law="刑法", number="1", page=1)',
              'read_article(law="刑法", number="99999")', 'answer_it("x")', 'read_article(law="nolaw", number="2")',
              "no call at all"]
-    tasks = env.tasks("heldout")[:60]
+    tasks = text_env.tasks("heldout", "text")[:60]
     wins = 0
     for task in tasks:
         def policy(task, history):
             if len(history) < 12 and rng.random() < 0.3:
                 return rng.choice(wrong)
-            return env.expert_action(task, history)
+            return text_env.expert_action(task, history)
 
-        wins += run_episode(env, task, policy, max_turns=40)[0]
+        wins += run_episode(text_env, task, policy, max_turns=40)[0]
     assert wins / len(tasks) >= 0.9
 
 
-def test_random_agent_mostly_fails(env):
+def test_text_random_agent_mostly_fails(text_env):
     rng = random.Random(1)
-    tasks = env.tasks("heldout")
+    tasks = text_env.tasks("heldout", "text")
 
     def policy(task, history):
         words = re.findall(r"[\w\u4e00-\u9fff]+", task.prompt + " " + (history[-1][1] if history else ""))
-        tool = rng.choice(env.tools).name
-        args = {name: rng.choice(words) for name, _, _ in next(s for s in env.tools if s.name == tool).parameters}
+        tool = rng.choice(text_env.tools)
+        args = {name: rng.choice(words) for name, _, _ in tool.parameters}
         if "page" in args:
             args["page"] = rng.randint(1, 3)
-        return ToolCall(tool, args).render()
+        return ToolCall(tool.name, args).render()
 
-    wins = sum(run_episode(env, task, policy, max_turns=20)[0] for task in tasks)
+    wins = sum(run_episode(text_env, task, policy, max_turns=20)[0] for task in tasks)
     assert wins / len(tasks) <= 0.05
 
 
 # -- tools never raise ------------------------------------------------------------------------------------
 
 
-def test_bad_calls_are_error_observations(env):
-    env.reset(env.tasks("train")[0])
+def test_text_bad_calls_are_error_observations(text_env):
+    env = text_env
+    env.reset(env.tasks("train", "text")[0])
     huge = "法" * 100_000
     for action in [
         "", "hello", "search_statute(", 'unknown_tool(x="1")', 'search_statute(query="!!!")', "search_statute(q=1)",
@@ -239,7 +258,7 @@ def test_bad_calls_are_error_observations(env):
     ]:
         observation, reward, done, _ = env.step(action)
         assert isinstance(observation, str) and reward == 0.0 and not done
-        assert len(observation) <= legal.TIERS["default"]["max_obs"]
+        assert len(observation) <= legal.TIERS["text"]["max_obs"]
     observation, _, _, _ = env.step('search_statute(query="刑法 故意伤害他人身体")')
     assert observation.startswith("1. ") and "刑法 第234条" in observation and len(observation) <= 350
 
@@ -247,16 +266,17 @@ def test_bad_calls_are_error_observations(env):
 @settings(max_examples=150, deadline=None)
 @given(tool=st.sampled_from(["search_statute", "read_article", "answer"]), first=st.text(max_size=40),
        second=st.text(max_size=12), page=st.integers(-3, 40))
-def test_arbitrary_arguments_never_raise(env, tool, first, second, page):
-    env.reset(env.tasks("train")[0])
+def test_text_arbitrary_arguments_never_raise(text_env, tool, first, second, page):
+    text_env.reset(text_env.tasks("train", "text")[0])
     call = ToolCall(tool, {"search_statute": {"query": first}, "answer": {"text": first},
                            "read_article": {"law": first, "number": second, "page": page}}[tool])
-    observation, reward, done, _ = env.step(call.render())
+    observation, reward, done, _ = text_env.step(call.render())
     assert isinstance(observation, str) and len(observation) <= 350 and reward in (0.0, 1.0)
 
 
-def test_tools_show_pages_citations_and_facts(env):
-    env.reset(env.tasks("train")[0])
+def test_text_tools_show_pages_citations_and_facts(text_env):
+    env = text_env
+    env.reset(env.tasks("train", "text")[0])
     observation, *_ = env.step('read_article(law="《中华人民共和国刑法》", number="第二百四十八条")')
     assert observation.startswith("刑法 第248条 p1/") and "next: page=2" in observation
     pages = int(re.search(r"p1/(\d+)", observation).group(1))
@@ -267,3 +287,131 @@ def test_tools_show_pages_citations_and_facts(env):
     observation, reward, done, info = env.step('answer(text="wrong")')
     assert (reward, done, info["correct"]) == (0.0, True, False)
     assert env.step('answer(text="x")')[0].startswith("Error: the episode is over")
+
+
+# -- the default tier: numbered tools --------------------------------------------------------------------
+
+
+def test_default_tier_offers_numbered_tools_only(env, text_env):
+    assert all(kind == "integer" for spec in env.tools for _, kind, _ in spec.parameters)
+    assert "read_cited(hit, cite, page=...)" in env.system_prompt()
+    assert 'law="刑法"' in text_env.system_prompt() and "read_cited" not in text_env.system_prompt()
+    with pytest.raises(ValueError, match="tier='default'"):
+        text_env.reset(env.tasks("train")[0])
+    with pytest.raises(ValueError, match="tier='text'"):
+        env.reset(text_env.tasks("train", "text")[0])
+
+
+def test_default_expert_messages_name_no_entity(env):
+    task = env.tasks("heldout")[0]
+    _, history = run_episode(env, task, env.expert_action)
+    for action, _ in history:
+        thought, call = action.split("\n")
+        assert thought in legal.REASONS.values()
+        assert re.fullmatch(r"\w+\((?:\w+=\d(?:, \w+=\d)*)?\)", call), call
+    assert history[-1][1] == "Correct."
+
+
+def test_default_tools_show_addresses_pages_and_numbered_citations(env):
+    task = env.tasks("train")[0]
+    law, (start, cited) = task.facts["law"], task.facts["path"][:2]
+    env.reset(task)
+    assert env.step("search_statute()")[0].startswith(f"1. {law} {start}: ")
+    pages = [env.step(f"read_article(hit=1, page={page})")[0].splitlines() for page in (1, 2, 3)]
+    assert [lines[0] for lines in pages] == [f"[hit 1 p{page}/3] {law} {start}" for page in (1, 2, 3)]
+    assert pages[0][-1] == "next: page=2" and pages[1][-1] == "next: page=3"
+    cites = pages[2][-1].removeprefix("cites: ").split(" ")
+    assert cites[2 * task.facts["nth"]: 2 * task.facts["nth"] + 2] == [f"{task.facts['nth'] + 1}.", cited]
+    cite = task.facts["nth"] + 1
+    shown = [env.step(f"read_cited(hit=1, cite={cite}, page={page})")[0] for page in (1, 2, 3)]
+    assert shown[0].startswith(f"[hit 1 cite {cite} p1/3] {law} {cited}\n")
+    if task.facts["family"] == "fact":  # the fact shows on the answer's page
+        assert f"{task.facts['fact']}: {task.answer}" in shown[task.facts["page"] - 1]
+    assert env.step(f"answer(hit=1, cite={cite}, page={task.facts['page']})")[:3] == ("Correct.", 1.0, True)
+
+
+def test_default_article_in_three_pages():
+    corpus = legal.load_corpus()
+    for article in list(corpus.articles.values())[::50]:
+        (a, b), (c, d), (e, f) = article.thirds()
+        assert a == 0 and b == c and d == e and f == len(article.text) and a < b < d < f
+
+
+def test_default_bad_indices_are_error_observations(env):
+    env.reset(env.tasks("train")[0])
+    for action in ["read_article(hit=0)", "read_article(hit=4)", "read_article(hit=1, page=0)",
+                   "read_article(hit=1, page=4)", "read_cited(hit=1, cite=0)", "read_cited(hit=1, cite=9)",
+                   "read_cited(hit=1, cite=1, page=99)", 'read_article(hit="x")', "read_article()",
+                   'search_statute(query="刑法")', "answer(hit=1)", 'read_article(law="刑法", number="234")']:
+        observation, reward, done, _ = env.step(action)
+        assert observation.startswith("Error: ") and reward == 0.0 and not done, action
+    for action in ["answer(hit=1, cite=1, page=99)", "answer(hit=7, cite=1, page=1)", "answer(hit=1, cite=0, page=1)"]:
+        env.reset(env.tasks("train")[0])  # an answer is final, whatever it names
+        assert env.step(action)[:3] == ("Incorrect.", 0.0, True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tool=st.sampled_from(["search_statute", "read_article", "read_cited", "answer"]),
+       numbers=st.lists(st.integers(-3, 12), min_size=3, max_size=3))
+def test_default_arbitrary_numbers_never_raise(env, tool, numbers):
+    env.reset(env.tasks("train")[0])
+    names = [name for name, _, _ in env.tool_index[tool].parameters]
+    observation, reward, done, _ = env.step(ToolCall(tool, dict(zip(names, numbers, strict=False))).render())
+    assert isinstance(observation, str) and len(observation) <= legal.TIERS["default"]["max_obs"]
+    assert reward in (0.0, 1.0)
+
+
+def test_default_tools_are_pure_functions_of_task_and_call(env):
+    """A branch restarts from a fresh reset without replaying earlier calls: the same call must show the same
+    output whatever came before it."""
+    rng = np.random.default_rng(0)
+    calls = ["search_statute()", "read_article(hit=1)", "read_article(hit=2, page=2)", "read_cited(hit=1, cite=1)",
+             "read_cited(hit=1, cite=2, page=2)", "read_cited(hit=3, cite=1)"]
+    for task in env.tasks("heldout")[:20]:
+        env.reset(task)
+        fresh = {call: env.step(call)[0] for call in calls}
+        env.reset(task)
+        for _ in range(12):
+            env.step(random_action(env, task, [], rng))
+            if env.done:
+                env.reset(task)
+            call = calls[int(rng.integers(len(calls)))]
+            assert env.step(call)[0] == fresh[call]
+
+
+def test_default_expert_recovers_from_injected_mistakes(env):
+    rng = np.random.default_rng(0)
+    tasks = env.tasks("heldout")[:60]
+    wins = 0
+    for task in tasks:
+        def policy(task, history):
+            action = random_action(env, task, history, rng) if rng.random() < 0.3 else None
+            if action and not action.startswith("answer"):  # a wrong answer ends the episode: skip those
+                return action
+            return env.expert_action(task, history)
+
+        wins += run_episode(env, task, policy, max_turns=40)[0]
+    assert wins / len(tasks) >= 0.9
+
+
+def test_default_random_agent_mostly_fails(env):
+    rng = np.random.default_rng(1)
+    tasks = env.tasks("heldout")
+    wins = sum(run_episode(env, task, lambda task, history: random_action(env, task, history, rng))[0]
+               for task in tasks)
+    assert wins / len(tasks) <= 0.05
+
+
+def test_default_decisions_matter(env):
+    """Format-perfect but content-blind (always the first citation, answer on the first page) fails often:
+    which citation and which page are real decisions."""
+    tasks = env.tasks("heldout")
+
+    def blind(task, history):
+        expert = env.expert_action(task, history)
+        if "read_cited" in expert or "answer" in expert:
+            expert = re.sub(r"cite=\d", "cite=1", expert)
+        return re.sub(r"page=\d+\)", "page=1)", expert) if "answer" in expert else expert
+
+    wins = sum(run_episode(env, task, blind)[0] for task in tasks)
+    assert 0.1 <= wins / len(tasks) <= 0.8

@@ -349,7 +349,8 @@ def synthetic_episode(draw) -> AgentEpisode:
         ids = tuple(draw(st.lists(st.integers(0, 99), min_size=1, max_size=6)))
         user = f"{TASK.prompt} {segment}"
         messages = ({"role": "system", "content": SYSTEM}, {"role": "user", "content": user})
-        episode.starts.append(SegmentStart(TASK, segment, turn, episode.generated_tokens, messages, ids))
+        calls = tuple(t.text for t in episode.turns if t.role == "policy")  # what a branch replays
+        episode.starts.append(SegmentStart(TASK, segment, turn, episode.generated_tokens, messages, ids, calls))
         episode.turns.append(TurnRecord("context", user, list(ids), [0.0] * len(ids), [0] * len(ids), segment, turn))
         for _ in range(draw(st.integers(1, 3))):
             episode.turns.append(synthetic_turn("policy", draw(sizes), segment, turn))

@@ -47,6 +47,10 @@ class SegmentStart:
     generated_tokens: int  # tokens generated before this state (the budget so far)
     messages: tuple[dict[str, str], ...]  # the context as chat messages
     context_ids: tuple[int, ...]  # the same context rendered, ending with the generation prompt
+    # The messages the policy sent to the environment before this state. A branch replays them into a fresh
+    # environment: tools are deterministic, so the transcript is the environment's whole state (a tool that
+    # remembers, like a reading position, needs no snapshot).
+    calls: tuple[str, ...] = ()
 
     @property
     def state_id(self) -> str:
@@ -54,6 +58,8 @@ class SegmentStart:
         digest.update(self.task.task_id.encode())
         digest.update(str(self.segment_idx).encode())
         digest.update(np.asarray(self.context_ids, dtype="<u4").tobytes())
+        for call in self.calls:  # the same context reached by other calls may be another environment state
+            digest.update(b"\x00" + call.encode())
         return digest.hexdigest()
 
 
@@ -188,13 +194,20 @@ class AgentRunner:
 
     def _begin(self, start: SegmentStart, env: ToolEnv, parent: SegmentStart | None) -> _Active:
         env.reset(start.task)
+        history = []
+        for call in start.calls:  # bring the environment to the state's point of the transcript
+            observation, _, done, _ = env.step(call)
+            if done:
+                raise ValueError(f"state {start.state_id}: replaying its calls ended the episode at {call!r}; the "
+                                 "environment is not deterministic, or the calls are not this task's")
+            history.append((call, observation))
         episode = AgentEpisode(task=start.task, parent_state=parent)
         episode.starts.append(start)
         episode.turns.append(TurnRecord("context", _last_text(start.messages), list(start.context_ids),
                                         [0.0] * len(start.context_ids), [0] * len(start.context_ids),
                                         start.segment_idx, start.turn_idx))
         return _Active(episode, env, list(start.messages), list(start.context_ids), start.segment_idx,
-                       start.turn_idx)
+                       start.turn_idx, history=history)
 
     # -- running ------------------------------------------------------------------------------
 
@@ -340,7 +353,8 @@ class AgentRunner:
         # Counted from the main episode's start: a continuation starts with its parent's count.
         generated = a.episode.starts[0].generated_tokens + a.episode.generated_tokens
         a.segment_idx += 1
-        start = SegmentStart(task, a.segment_idx, a.turn_idx, generated, messages, tuple(ids))
+        calls = a.episode.starts[0].calls + tuple(t.text for t in a.episode.turns if t.role == "policy")
+        start = SegmentStart(task, a.segment_idx, a.turn_idx, generated, messages, tuple(ids), calls)
         a.episode.starts.append(start)
         a.episode.turns.append(TurnRecord("context", messages[-1]["content"], ids, [0.0] * len(ids),
                                           [0] * len(ids), a.segment_idx, a.turn_idx))

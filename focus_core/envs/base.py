@@ -1,8 +1,10 @@
 """The environment protocol every agent environment follows.
 
 An environment offers read-only, deterministic tools over its data, so a tool's output is a pure
-function of (data version, arguments): the state of an episode *is* its transcript, and branching
-from a recorded state needs no environment snapshot, only the transcript prefix. The reward is
+function of (data version, task, the calls so far): the state of an episode *is* its transcript, and
+branching from a recorded state needs no environment snapshot: the harness replays the state's calls
+(``SegmentStart.calls``) into a fresh environment. Most tools ignore earlier calls; a tool may keep a
+position (like a reader's cursor) as long as it is a function of them. The reward is
 sparse: 1 or 0 when the agent ends the episode (answer/submit), 0 on every other step.
 
     env = make_env("deep_search")

@@ -2,27 +2,43 @@
 
 The repository is a slice of the CPython 3.11.7 standard library laid out as ``lib/<module>.py`` and
 ``tests/test_<module>.py``. ``code_mutations`` injects SWE-smith-style bugs into real functions and keeps a
-mutant only when a real test of the module fails; the failing test becomes the issue. The agent explores a
-private, read-only copy of the mutated repository with five tools and ends the episode with
-``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")``: reward 1 if the location names the mutated
-function (the file-level hit is reported in ``info`` as a diagnostic).
+mutant only when a real test of the module fails; the failing test becomes the issue, and the reward names the
+mutated function.
 
 Tasks. One task per (mutated function, failing test) pair, at most ``MAX_TASKS_PER_FUNCTION`` per function.
 The split is decided by the target file (``split_of("lib/<module>.py")``), so held-out modules are never
-train targets. Tiers:
+train targets. Tiers (the tools differ, see ``tools_for``):
 
-* ``default`` (tiny CPU model): the issue is the failing test's name and class plus its exception line; pages
-  are short (8 lines, 5 grep hits, 3 search results, <= 350 characters). Only tasks whose failing test calls
-  the buggy function by name in its first lines are kept, so a short algorithmic plan solves them:
-  grep the test class -> grep the test method -> open the test until the call -> search the called name ->
-  open the function (until the mutated line) -> submit. That is 6-10 turns.
-* ``hard``: any failing test, the full traceback as the issue, long pages (40 lines, 20 hits, 8 results).
-  The scripted expert there is an oracle for the last hop (it searches the buggy function's name).
+* ``default`` (the tiny from-scratch CPU model): every argument is a small index, because that model learns
+  the format of calls but not to copy a path, identifier or line number from its context. The failing test
+  calls 1-4 functions of the module by name, the buggy one among them. ``test()`` lists them numbered (in call
+  order) above the test's first lines; ``open(fn=i, page=p)`` shows page p (six code lines; docstring, blank
+  and comment lines left out; at most three pages) of function i as it is in the mutated repository;
+  ``trace()`` shows the failure's traceback, frames of listed functions marked with their number; and
+  ``submit(fn=i, page=p)`` ends the episode: reward 1 when function i is the mutated one and page p shows the
+  mutated line. The page is part of the answer so that guessing stays rare (a random agent's integers would
+  name the right function of a short list too often), and any numbers are a final answer, never an error, for
+  the same reason. Every output is a pure function of (task, arguments), with no browsing state. The expert's
+  plan is fixed: test(), every page of every function in order (the header "fn i/N <name> page p/P" says what
+  comes next), trace(), then submit. The one decision, which (function, page) holds the bug, takes reading the
+  code (or a marked frame of the traceback, when the error was raised there). Expert episodes take 4-15 turns
+  (median 6).
+* ``text`` (real models, e.g. SmolLM2): free-text tools over a private copy of the repository, ``ls``, ``grep``,
+  ``open``, ``search`` and ``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")`` (the file-level hit
+  is reported in ``info``). The issue is the failing test's name and class plus its exception line; pages are
+  short (8 lines, 5 grep hits, 3 search results, <= 350 characters). Only tasks whose failing test calls the
+  buggy function by name in its first lines are kept, so a short algorithmic plan solves them: grep the test
+  class -> grep the test method -> open the test until the call -> search the called name -> open the function
+  (until the mutated line) -> submit. That is 6-10 turns.
+* ``hard``: the ``text`` tools; any failing test, the full traceback as the issue, long pages (40 lines, 20
+  hits, 8 results). The scripted expert there is an oracle for the last hop (it searches the buggy function's
+  name).
 
-Workspaces live under ``$FOCUS_DATA_DIR/code_localization/ws-v<version>/``: one pristine base tree per module
-pool (copied from the interpreter's stdlib after the hash check) and one directory per task, made lazily of
-hard links to the base tree plus the mutated file. Tools resolve every path inside the task directory and
-refuse absolute paths, ``..``, symlinks and over-long paths, so the installed stdlib is never reachable.
+Workspaces (``text`` and ``hard``) live under ``$FOCUS_DATA_DIR/code_localization/ws-v<version>/``: one pristine
+base tree per module pool (copied from the interpreter's stdlib after the hash check) and one directory per task,
+made lazily of hard links to the base tree plus the mutated file. Tools resolve every path inside the task
+directory and refuse absolute paths, ``..``, symlinks and over-long paths, so the installed stdlib is never
+reachable. The ``default`` tier needs no workspace: it only shows the test and the listed functions.
 """
 
 from __future__ import annotations
@@ -49,6 +65,8 @@ HELDOUT_FRACTION = 0.2
 SPLIT_SALT = "code_localization-v1"
 MAX_TASKS_PER_FUNCTION = 6
 MAX_PATH_CHARS = 200
+# Part of every task id: bump it when the tasks a tier generates change, so no cache keyed by task id is stale.
+TASK_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -58,15 +76,19 @@ class Tier:
     grep_hits: int
     search_k: int
     max_chars: int
-    test_pages: int  # pages of the failing test the expert reads (default: the call must be on one of them)
+    test_pages: int  # pages of the failing test the expert reads (text: the call must be on one of them)
 
 
-TIERS = {
-    "default": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
+TIERS = {  # the default tier's pages are INDEX_PAGE_LINES code lines; it uses line_chars and max_chars only
+    "default": Tier(page_lines=6, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1),
+    "text": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
     "hard": Tier(page_lines=40, line_chars=110, grep_hits=20, search_k=8, max_chars=4000, test_pages=1),
 }
-SCOPE = {"default": "named", "hard": "all"}  # which mutants a tier draws from (see code_mutations.SCOPES)
+SCOPE = {"default": "named", "text": "named", "hard": "all"}  # the mutants a tier draws from (code_mutations.SCOPES)
 INSTRUCTION = 'Find the buggy function. End with submit(location="path::qualname").'
+INDEX_INSTRUCTION = "Find the bug: read the test, then its functions page by page. End with submit(fn, page)."
+INDEX_CANDIDATES = 4  # the most functions of the module the default tier's failing test may call
+INDEX_MAX_PAGES = 3  # pages of a function the default tier shows; the mutated line must be on one of them
 
 
 # -- the repository: files, entity spans, BM25 over functions ---------------------------------------------------
@@ -144,30 +166,51 @@ def _repo(modules: tuple[str, ...]) -> Repo:
 
 # -- the environment --------------------------------------------------------------------------------------------
 
+TEXT_TOOLS = (
+    ToolSpec("ls", "list a directory of the repository", (
+        ("path", "string", "a directory, e.g. 'lib' or 'tests'"), ("start", "integer", "skip this many entries")),
+        ("path",)),
+    ToolSpec("grep", "lines containing a fixed string, as path:line: text", (
+        ("pattern", "string", "the text to find"), ("path", "string", "a file or directory (default '.')")),
+        ("pattern",)),
+    ToolSpec("open", "a page of a file from a line", (
+        ("path", "string", "a file, e.g. 'lib/textwrap.py'"), ("start", "integer", "first line (default 1)")),
+        ("path",)),
+    ToolSpec("search", "functions by name, parameters and docstring, as path::qualname", (
+        ("query", "string", "words or identifiers"),), ("query",)),
+    ToolSpec("submit", "submit the buggy function; ends the episode", (
+        ("location", "string", "path::qualname, e.g. 'lib/textwrap.py::TextWrapper.wrap'"),), ("location",)),
+)
+INDEX_TOOLS = (
+    ToolSpec("test", "the failing test: the functions it calls, numbered, and its first lines"),
+    ToolSpec("trace", "where the failing test failed: its traceback, innermost frame last"),
+    ToolSpec("open", "a page of one of the test's functions", (
+        ("fn", "integer", "the function's number in test()"), ("page", "integer", "page number, from 1")),
+        ("fn", "page")),
+    ToolSpec("submit", "submit the page of a function that holds the bug; ends the episode", (
+        ("fn", "integer", "the function's number in test()"), ("page", "integer", "the page with the bug")),
+        ("fn", "page")),
+)
+_INDEX_HEADER = re.compile(r"^fn (\d+)/\d+ \S+ page (\d+)/\d+")
+
+
 @register_env("code_localization")
 class CodeLocalizationEnv(ToolEnv):
-    tools = (
-        ToolSpec("ls", "list a directory of the repository", (
-            ("path", "string", "a directory, e.g. 'lib' or 'tests'"), ("start", "integer", "skip this many entries")),
-            ("path",)),
-        ToolSpec("grep", "lines containing a fixed string, as path:line: text", (
-            ("pattern", "string", "the text to find"), ("path", "string", "a file or directory (default '.')")),
-            ("pattern",)),
-        ToolSpec("open", "a page of a file from a line", (
-            ("path", "string", "a file, e.g. 'lib/textwrap.py'"), ("start", "integer", "first line (default 1)")),
-            ("path",)),
-        ToolSpec("search", "functions by name, parameters and docstring, as path::qualname", (
-            ("query", "string", "words or identifiers"),), ("query",)),
-        ToolSpec("submit", "submit the buggy function; ends the episode", (
-            ("location", "string", "path::qualname, e.g. 'lib/textwrap.py::TextWrapper.wrap'"),), ("location",)),
-    )
+    tools = TEXT_TOOLS
+
+    @classmethod
+    def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
+        # A subclass with its own toolset (swebench_loc) keeps it on every tier.
+        return INDEX_TOOLS if tier == "default" and cls.tools is TEXT_TOOLS else cls.tools
 
     def __init__(self, modules: tuple[str, ...] | None = None, tier: str = "default") -> None:
         """``modules`` restricts the repository to a few modules (quick tasks for tests); default: cm.MODULES."""
         super().__init__(tier)
         self.modules = tuple(modules) if modules else None
         self._tasks: dict[tuple[str, str], list[Task]] = {}
-        self.tier = TIERS["default"]
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {sorted(TIERS)}, got {tier!r}")
+        self.tier = TIERS[tier]  # the page sizes of the current task's tier (reset sets it)
         self.root: Path | None = None
 
     def pool(self) -> tuple[str, ...]:
@@ -202,24 +245,26 @@ class CodeLocalizationEnv(ToolEnv):
                 for failure in failures:
                     if (record["qualname"], failure["test_id"]) in used:
                         continue
-                    facts, prompt = _plan(repo, record, failure, tier), _issue(record, failure, tier)
+                    plan = _index_plan if tier == "default" else _plan
+                    facts, prompt = plan(repo, record, failure, tier), _issue(record, failure, tier)
                     if facts is None or any(secret in prompt for secret in _host_paths()):
                         continue
                     used.add((record["qualname"], failure["test_id"]))
                     per_function[record["qualname"]] = per_function.get(record["qualname"], 0) + 1
                     key = f"{record['path']}::{record['qualname']}"
                     tasks.append(Task(
-                        task_id=task_id(self.name, tier, ",".join(pool), key, record["start"], record["end"],
-                                        record["replacement"], failure["test_id"]),
+                        task_id=task_id(self.name, TASK_VERSION, tier, ",".join(pool), key, record["start"],
+                                        record["end"], record["replacement"], failure["test_id"]),
                         env=self.name, split=split, tier=tier, prompt=prompt, answer=key,
                         split_key=record["path"], facts=facts))
-                    break
+                    if tier != "default":  # one test per mutant; the default tier takes every test it can show
+                        break
         return tasks
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
     def reset(self, task: Task) -> str:
-        observation = super().reset(task)
+        observation = super().reset(task)  # rejects a task of a tier with other tools
         self.tier = TIERS[task.tier]
         self.max_observation_chars = self.tier.max_chars
         self.root = None  # the task's private copy is made on the first tool call
@@ -227,6 +272,14 @@ class CodeLocalizationEnv(ToolEnv):
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         args = call.arguments
+        if self.tools is INDEX_TOOLS:
+            if call.name == "test":
+                return ToolResult(_index_test(self.task))
+            if call.name == "trace":
+                return ToolResult("\n".join(_fit(self.task.facts["trace"], self.tier.max_chars - 20)))
+            if call.name == "open":
+                return ToolResult(_index_open(self.task, args["fn"], args["page"]))
+            return _index_submit(self.task, args["fn"], args["page"])
         try:
             if call.name == "ls":
                 return ToolResult(self._ls(args["path"], args.get("start", 0)))
@@ -346,6 +399,11 @@ class CodeLocalizationEnv(ToolEnv):
     # -- the scripted expert -------------------------------------------------------------------------------------
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
+        if task.tier == "default":
+            return _index_expert(task, history)
+        return self._text_expert(task, history)
+
+    def _text_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
         """Locate the test, read it up to the call, find the called function, read it, submit.
 
         Every step is checked against what the observations so far show (not against what the expert did),
@@ -367,12 +425,12 @@ class CodeLocalizationEnv(ToolEnv):
             return ToolCall("open", {"path": path, "start": max(chain) + 1 if chain else first})
 
         steps: list[ToolCall | None] = []
-        if task.tier == "default":
+        if task.tier == "text":
             steps.append(None if f"{f['test_file']}:{f['class_line']}: " in seen else
                          ToolCall("grep", {"pattern": f"class {f['test_class']}", "path": "tests"}))
         steps.append(None if f"{f['test_file']}:{f['test_def_line']}: " in seen else
                      ToolCall("grep", {"pattern": f"def {f['test_method']}(", "path": f["test_file"]}))
-        goal = f["call_line"] if task.tier == "default" else f["test_def_line"]
+        goal = f["call_line"] if task.tier == "text" else f["test_def_line"]
         steps.append(next_page(f["test_file"], f["test_def_line"], goal, tier.test_pages))
         located = f"{task.answer} " in seen or f"{f['path']}:{f['def_line']}: " in seen
         search = ToolCall("search", {"query": f["query"]})
@@ -448,7 +506,7 @@ def _plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name
     if tier_name == "hard":
         return facts
     call_line = next((line for called, line in failure["calls"] or () if called == name), None)
-    if classes != [(test_file, classes[0][1])] or call_line is None or len(_issue(record, failure, "default")) > 300:
+    if classes != [(test_file, classes[0][1])] or call_line is None or len(_issue(record, failure, "text")) > 300:
         return None
     start, visible = defs[0], False
     for _ in range(tier.test_pages):  # is the call on one of the first pages the expert opens, and not cut off?
@@ -474,9 +532,149 @@ def _issue(record: dict[str, Any], failure: dict[str, Any], tier: str) -> str:
     test_class, test_method = failure["test_id"].split(".")[-2:]
     if tier == "hard":
         return f"{failure['kind']}: {test_method} ({test_class})\n{failure['traceback'][-2500:]}\n{INSTRUCTION}"
+    instruction = INDEX_INSTRUCTION if tier == "default" else INSTRUCTION
     exception = failure["exception"].split("\n")[0]
     head = f"{failure['kind']}: {test_method} ({test_class})"
-    return f"{head}\n{_cut(exception, max(40, 298 - len(head) - len(INSTRUCTION)))}\n{INSTRUCTION}"
+    return f"{head}\n{_cut(exception, max(40, 298 - len(head) - len(instruction)))}\n{instruction}"
+
+
+# -- the default tier: indices only ------------------------------------------------------------------------------
+
+def _index_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name: str) -> dict[str, Any] | None:
+    """The default tier's facts: the functions the failing test calls (the gold among them), their page counts
+    and the page of the mutated line; None when the test calls too few or too many, a called name is ambiguous
+    (a method name several classes define) or the mutated line is past the pages shown."""
+    module, (test_class, test_method) = record["module"], failure["test_id"].split(".")[-2:]
+    test_file = f"tests/test_{module}.py"
+    defs = _grep_lines(repo.files[test_file], f"def {test_method}(")
+    by_name = _call_names(repo.files[record["path"]])
+    # A name several classes define (a method name) cannot be resolved from the test: it is left out, and a task
+    # whose buggy function is called by such a name is not made.
+    calls = [(name, line) for name, line in failure["calls"] or () if len(by_name.get(name, ())) == 1]
+    candidates = list(dict.fromkeys(by_name[name][0] for name, _ in calls))
+    if len(defs) != 1 or record["qualname"] not in candidates or len(candidates) > INDEX_CANDIDATES:
+        return None
+    facts = {"pool": ",".join(repo.modules), "module": module, "path": record["path"], "qualname": record["qualname"],
+             "def_line": record["def_line"], "mutated_line": record["line"], "op": record["op"],
+             "start": record["start"], "end": record["end"], "replacement": record["replacement"],
+             "test_file": test_file, "test_class": test_class, "test_method": test_method, "test_def_line": defs[0],
+             "call_lines": [line for _, line in calls], "candidates": candidates,
+             "trace": _trace(failure, module, candidates)}
+    if any(secret in line for line in facts["trace"] for secret in _host_paths()):
+        return None
+    text = _mutated_text(facts["pool"], record["path"], record["start"], record["end"], record["replacement"])
+    pages, gold_page = [], None
+    for qualname in candidates:
+        lines = _function_lines(text, qualname)
+        if not lines:
+            return None
+        pages.append(min(INDEX_MAX_PAGES, -(-len(lines) // TIERS[tier_name].page_lines)))
+        if qualname == record["qualname"]:
+            at = next((i for i, (number, _) in enumerate(lines) if number >= record["line"]), None)
+            gold_page = None if at is None else at // TIERS[tier_name].page_lines + 1
+    if gold_page is None or gold_page > INDEX_MAX_PAGES:
+        return None
+    return {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page}
+
+
+@functools.lru_cache(maxsize=64)
+def _call_names(text: str) -> dict[str, list[str]]:
+    """The entities a test can call by each name: its own name, or the class name for ``Class.__init__``."""
+    found: dict[str, list[str]] = {}
+    for entity, _ in cm.entities(ast.parse(text)):
+        found.setdefault(_call_name(entity.qualname), []).append(entity.qualname)
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _mutated_text(pool: str, path: str, start: int, end: int, replacement: str) -> str:
+    text = _repo(tuple(pool.split(","))).files[path]
+    return text[:start] + replacement + text[end:]
+
+
+@functools.lru_cache(maxsize=1024)
+def _function_lines(text: str, qualname: str) -> list[tuple[int, str]]:
+    """(line number, text) of the code lines of an entity: no docstring, blank or comment-only lines (they would
+    fill the short pages), dedented to the ``def``."""
+    tree = ast.parse(text)
+    node = next((node for entity, node in cm.entities(tree) if entity.qualname == qualname), None)
+    if node is None:
+        return []
+    doc = node.body[0] if ast.get_docstring(node) is not None else None
+    skip = set(range(doc.lineno, (doc.end_lineno or doc.lineno) + 1)) if doc else set()
+    lines = text.splitlines()
+    indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
+    return [(number, lines[number - 1][indent:].rstrip()) for number in range(node.lineno, (node.end_lineno or 0) + 1)
+            if number not in skip and lines[number - 1].strip() and not lines[number - 1].strip().startswith("#")]
+
+
+def _trace(failure: dict[str, Any], module: str, candidates: list[str]) -> list[str]:
+    """The traceback as short lines, 'traceback:' then 'file:line in name' per frame (innermost last), then the
+    exception line; at most the six innermost frames, so it fits a page. A frame of a listed function is marked
+    with its number ('(fn 2)'): evidence a policy can act on without copying a name."""
+    frames = []
+    for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', failure["traceback"]):
+        file, name = posixpath.basename(m[1]), m[3]
+        listed = [i for i, q in enumerate(candidates, 1) if q.split(".")[-1] == name] if file == f"{module}.py" else []
+        frames.append(f"{file}:{m[2]} in {name}" + (f" (fn {listed[0]})" if len(listed) == 1 else ""))
+    exception = _cut(failure["exception"].split("\n")[0], TIERS["default"].line_chars)
+    return ["traceback:", *frames[-6:], exception]
+
+
+def _index_test(task: Task) -> str:
+    """The failing test: its functions, numbered in call order, then its first code lines up to the last call."""
+    f, width = task.facts, TIERS["default"].line_chars
+    listed = " ".join(f"{i} {qualname}" for i, qualname in enumerate(f["candidates"], 1))
+    text = _repo(tuple(f["pool"].split(","))).files[f["test_file"]]
+    lines = text.splitlines()[f["test_def_line"] - 1: max(f["call_lines"])]
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    body = [_cut(line[indent:].rstrip(), width) for line in lines if line.strip() and not line.strip().startswith("#")]
+    head = f"test {f['test_method']} calls {len(f['candidates'])} functions: {listed}"
+    return "\n".join(_fit([head, *body[:TIERS["default"].page_lines]], TIERS["default"].max_chars - 20))
+
+
+def _index_open(task: Task, fn: int, page: int) -> str:
+    f, tier = task.facts, TIERS["default"]
+    if not 1 <= fn <= len(f["candidates"]):
+        raise ToolFailure(f"fn must be 1 to {len(f['candidates'])}, a number test() lists")
+    pages = f["pages"][fn - 1]
+    if not 1 <= page <= pages:
+        raise ToolFailure(f"function {fn} has pages 1 to {pages}")
+    text = _mutated_text(f["pool"], f["path"], f["start"], f["end"], f["replacement"])
+    lines = _function_lines(text, f["candidates"][fn - 1])[(page - 1) * tier.page_lines: page * tier.page_lines]
+    head = f"fn {fn}/{len(f['candidates'])} {_cut(f['candidates'][fn - 1], 40)} page {page}/{pages}"
+    return "\n".join([head, *(_cut(line, tier.line_chars) for _, line in lines)])
+
+
+def _index_submit(task: Task, fn: int, page: int) -> ToolResult:
+    """Any numbers end the episode: one that names no function is a wrong answer, not a retry."""
+    f = task.facts
+    function_hit = fn == f["gold"]
+    hit = function_hit and page == f["gold_page"]
+    return ToolResult(f"Submitted fn {fn} page {page}: {'correct' if hit else 'wrong'}.", reward=float(hit),
+                      done=True, info={"function_hit": function_hit, "page_hit": hit})
+
+
+def _index_expert(task: Task, history: list[tuple[str, str]]) -> str:
+    """test(), every page of every listed function in order, trace(), then the page with the bug. The traceback
+    comes last so that the call after it is always the answer: the tiny model can tell its step from the kind of
+    the latest observation, not from counting pages.
+
+    A step is skipped once its output is on screen (whoever called it), so the plan resumes after any mistake.
+    """
+    f, seen = task.facts, set()
+    for _, observation in history:
+        if m := _INDEX_HEADER.match(observation):
+            seen.add((int(m[1]), int(m[2])))
+    if not any(observation.startswith(f"test {f['test_method']} calls") for _, observation in history):
+        return "Read the failing test.\n" + ToolCall("test", {}).render()
+    for fn, pages in enumerate(f["pages"], 1):
+        for page in range(1, pages + 1):
+            if (fn, page) not in seen:
+                return "Read the next page.\n" + ToolCall("open", {"fn": fn, "page": page}).render()
+    if not any(observation.startswith("traceback:") for _, observation in history):
+        return "Read the traceback.\n" + ToolCall("trace", {}).render()
+    return "Submit the page with the bug.\n" + ToolCall("submit", {"fn": f["gold"], "page": f["gold_page"]}).render()
 
 
 @functools.lru_cache(maxsize=1)

