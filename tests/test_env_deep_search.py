@@ -128,31 +128,45 @@ def test_expert_solves_heldout_with_short_observations(tier, env, text_env):
     assert sum(run_episode(hard_env, task, expert(hard_env))[0] for task in hard) / len(hard) >= 0.9
 
 
-def test_default_tier_calls_are_numbers_and_reasons_name_no_entity(env):
+def test_default_tier_calls_take_no_arguments_and_reasons_name_no_entity(env):
     task = env.tasks("heldout")[0]
     _, history = run_episode(env, task, expert(env))
     entities = {c.name for c in world().countries} | {c.docid for c in world().countries}
     for action, _ in history:
         reason, call = action.split("\n")
-        assert re.fullmatch(r"(search|get_document|answer)\((\w+=\d+(, )?)*\)", call), call
+        assert re.fullmatch(r"(search|open|neighbour|page|answer)\(\)", call), call
         assert not any(re.search(rf"\b{re.escape(e)}\b", reason) for e in entities), reason
-    assert [a.split("\n")[1] for a, _ in history[:3]] == ["search()", "get_document(hit=1)",
-                                                         "get_document(hit=1, neighbour=1)"]
+    assert [a.split("\n")[1] for a, _ in history[:3]] == ["search()", "open()", "neighbour()"]
+    answer = world().by_name[task.answer]
+    page_1_clues = sum(kind in ("currency", "language", "timezone") for kind, _ in task.facts["constraints"])
+    assert history[-1][0].endswith("answer()") and history[-2][1].endswith(
+        f"[{task.answer}: neighbour {task.facts['candidates'].index(task.answer) + 1} of "
+        f"{len(task.facts['candidates'])}, page 1/{len(render_pages(answer, 'default')) - 1}, "
+        f"clues here: {page_1_clues}]")  # the answer confirms every clue of its page 1
 
 
-def test_default_tier_tools_are_pure_functions_of_task_and_call(env):
-    """Branches restart the environment mid-episode without replaying earlier calls: a call must return the same
-    observation whatever came before it."""
+def test_default_tier_observations_are_a_function_of_the_calls_so_far(env):
+    """Branches replay the calls before their state into a fresh environment: the same calls must give the same
+    observations, and the reader's position must come from them alone."""
     task = env.tasks("train")[3]
     _, history = run_episode(env, task, expert(env))
-    for action, observation in history:
+    for end in range(len(history)):
         fresh = DeepSearchEnv()
         fresh.reset(task)
-        assert fresh.step(action)[0] == observation
-    shuffled = DeepSearchEnv()
-    shuffled.reset(task)
-    for action, observation in reversed(history[:-1]):
-        assert shuffled.step(action)[0] == observation
+        assert [fresh.step(action)[0] for action, _ in history[: end + 1]] == [o for _, o in history[: end + 1]]
+    fresh = DeepSearchEnv()
+    fresh.reset(task)
+    fresh.step("search()")
+    assert fresh.step("page()")[0].startswith("Error: no sheet is open")
+    first = fresh.step("open()")[0]
+    fresh.step("neighbour()")
+    assert fresh.step("open()")[0] == first  # starts the neighbours over
+    first_neighbour = world().by_name[task.facts["candidates"][0]]
+    confirmed = sum(Constraint(kind, value).page("default") == 0 and Constraint(kind, value).holds(first_neighbour)
+                    for kind, value in task.facts["constraints"])
+    assert fresh.step("neighbour()")[0].endswith(
+        f"[{first_neighbour.name}: neighbour 1 of {len(task.facts['candidates'])}, page 0/"
+        f"{len(render_pages(first_neighbour, 'default')) - 1}, clues here: {confirmed}]")
 
 
 def test_tier_mismatch_is_refused(env, text_env):
@@ -166,16 +180,14 @@ def test_tier_mismatch_is_refused(env, text_env):
 
 def test_expert_recovers_from_injected_mistakes(env, text_env):
     rng = random.Random(0)
-    wrong_numbers = ["get_document(hit=2)", "get_document(hit=1, neighbour=3, page=1)", "answer(hit=6)",
-                     "get_document(hit=1, neighbour=40)", "search(1)", "get_document(page=1)", "search()"]
+    moves = ["neighbour()", "page()", "open()", "search()", "page(2)", "answer(1)"]
 
-    def noisy_numbers(task, history, _):
-        return rng.choice(wrong_numbers) if rng.random() < 0.3 else env.expert_action(task, history)
+    def noisy_moves(task, history, _):
+        return rng.choice(moves) if rng.random() < 0.3 else env.expert_action(task, history)
 
     tasks = env.tasks("heldout")[:40]
-    results = [run_episode(env, task, noisy_numbers, max_turns=60) for task in tasks]
-    # every wrong call is an error or a harmless read: search shows five hits, so answer(hit=6) does not end it
-    assert sum(reward for reward, _ in results) / len(tasks) >= 0.9
+    # stray moves may walk past the answer; the expert starts the neighbours over
+    assert sum(run_episode(env, task, noisy_moves, max_turns=60)[0] for task in tasks) / len(tasks) >= 0.9
     env = text_env
     wrong = ['search(query="Europe")', 'get_document(docid="d001", page=2)', 'get_document(docid="zzz")',
              'search(query="capital")', "get_document(d)", "not a call", 'get_document(docid="d100")']
@@ -190,16 +202,11 @@ def test_expert_recovers_from_injected_mistakes(env, text_env):
 def test_random_agent_mostly_fails(env, text_env):
     rng = random.Random(1)
 
-    def random_numbers(task, history, observation):
-        tool = rng.choice(["search", "get_document", "answer"])
-        if tool == "search":
-            return "search()"
-        neighbour = f", neighbour={rng.randint(0, 5)}" if rng.random() < 0.7 else ""
-        page = f", page={rng.randint(0, 3)}" if tool == "get_document" and rng.random() < 0.5 else ""
-        return f"{tool}(hit={rng.randint(0, 4)}{neighbour}{page})"
+    def random_calls(task, history, observation):
+        return rng.choice(["search()", "open()", "neighbour()", "page()", "answer()"])
 
     tasks = env.tasks("heldout")[:200]
-    assert sum(run_episode(env, task, random_numbers, max_turns=20)[0] for task in tasks) / len(tasks) <= 0.05
+    assert sum(run_episode(env, task, random_calls, max_turns=20)[0] for task in tasks) / len(tasks) <= 0.05
     env = text_env
 
     def random_agent(task, history, observation):
@@ -218,12 +225,20 @@ def test_random_agent_mostly_fails(env, text_env):
 def test_bad_calls_are_error_observations(env, text_env):
     task = env.tasks("train")[0]
     env.reset(task)
-    for action in ["search(query=\"Mali\")", "get_document()", "get_document(hit=0)", "get_document(hit=9)",
-                   "get_document(hit=1, neighbour=0)", "get_document(hit=1, neighbour=99)", "answer(hit=1, page=2)",
-                   "get_document(hit=1, page=99)", "get_document(hit=\"one\")", 'answer(text="Mali")', "x" * 10_000]:
+    for action in ["open()", "neighbour()", "page()", "answer()", 'search(query="Mali")',
+                   "search(1)", "get_document()", 'answer(text="Mali")', "x" * 10_000]:
         observation, reward, done, _ = env.step(action)
         assert observation.startswith("Error:") and reward == 0.0 and not done, action
-    assert env.step("answer(hit=1)")[:3] == ("Incorrect.", 0.0, True)  # hit 1 is the hop, never the answer
+    env.step("search()")
+    env.step("open()")
+    for _ in range(40):
+        observation = env.step("page()")[0]
+    assert observation == "Error: this is the sheet's last page"
+    for _ in range(40):
+        observation = env.step("neighbour()")[0]
+    assert observation.startswith("Error: ") and "no more neighbours" in observation
+    last_is_answer = task.facts["candidates"][-1] == task.answer
+    assert env.step("answer()")[1:3] == (float(last_is_answer), True)  # answers with the sheet in front
     env = text_env
     task = env.tasks("train")[0]
     env.reset(task)

@@ -12,7 +12,7 @@ train targets. Tiers (the tools differ, see ``tools_for``):
 * ``default`` (the tiny from-scratch CPU model): every argument is a small index, because that model learns
   the format of calls but not to copy a path, identifier or line number from its context. The failing test
   calls 1-4 functions of the module by name, the buggy one among them. ``test()`` lists them numbered (in call
-  order) above the test's first lines; ``open(fn=i, page=p)`` shows page p (six code lines; docstring, blank
+  order) above the test's first lines; ``open(fn=i, page=p)`` shows page p (eight code lines; docstring, blank
   and comment lines left out; at most three pages) of function i as it is in the mutated repository;
   ``trace()`` shows the failure's traceback, frames of listed functions marked with their number; and
   ``submit(fn=i, page=p)`` ends the episode: reward 1 when function i is the mutated one and page p shows the
@@ -20,9 +20,9 @@ train targets. Tiers (the tools differ, see ``tools_for``):
   name the right function of a short list too often), and any numbers are a final answer, never an error, for
   the same reason. Every output is a pure function of (task, arguments), with no browsing state. The expert's
   plan is fixed: test(), every page of every function in order (the header "fn i/N <name> page p/P" says what
-  comes next), trace(), then submit. The one decision, which (function, page) holds the bug, takes reading the
-  code (or a marked frame of the traceback, when the error was raised there). Expert episodes take 4-15 turns
-  (median 6).
+  comes next), the page with the bug again, trace(), then submit. The one decision, which (function, page)
+  holds the bug, takes reading the code (or a marked frame of the traceback, when the error was raised there).
+  Expert episodes take 5-17 turns (median 7).
 * ``text`` (real models, e.g. SmolLM2): free-text tools over a private copy of the repository, ``ls``, ``grep``,
   ``open``, ``search`` and ``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")`` (the file-level hit
   is reported in ``info``). The issue is the failing test's name and class plus its exception line; pages are
@@ -44,6 +44,7 @@ reachable. The ``default`` tier needs no workspace: it only shows the test and t
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import os
 import posixpath
@@ -80,7 +81,7 @@ class Tier:
 
 
 TIERS = {  # the default tier's pages are INDEX_PAGE_LINES code lines; it uses line_chars and max_chars only
-    "default": Tier(page_lines=6, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1),
+    "default": Tier(page_lines=8, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1),
     "text": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
     "hard": Tier(page_lines=40, line_chars=110, grep_hits=20, search_k=8, max_chars=4000, test_pages=1),
 }
@@ -542,8 +543,8 @@ def _issue(record: dict[str, Any], failure: dict[str, Any], tier: str) -> str:
 
 def _index_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name: str) -> dict[str, Any] | None:
     """The default tier's facts: the functions the failing test calls (the gold among them), their page counts
-    and the page of the mutated line; None when the test calls too few or too many, a called name is ambiguous
-    (a method name several classes define) or the mutated line is past the pages shown."""
+    and the page of the mutated line; None when the test calls more than INDEX_CANDIDATES functions, does not
+    call the buggy one by a name that resolves to it alone, or the mutated line is past the pages shown."""
     module, (test_class, test_method) = record["module"], failure["test_id"].split(".")[-2:]
     test_file = f"tests/test_{module}.py"
     defs = _grep_lines(repo.files[test_file], f"def {test_method}(")
@@ -656,25 +657,28 @@ def _index_submit(task: Task, fn: int, page: int) -> ToolResult:
 
 
 def _index_expert(task: Task, history: list[tuple[str, str]]) -> str:
-    """test(), every page of every listed function in order, trace(), then the page with the bug. The traceback
-    comes last so that the call after it is always the answer: the tiny model can tell its step from the kind of
-    the latest observation, not from counting pages.
+    """test(), every page of every listed function in order, the page with the bug again, trace(), then that
+    page as the answer. The traceback comes last so that the call after it is always the answer: the tiny model
+    can tell that step from the kind of the latest observation, without counting pages.
 
     A step is skipped once its output is on screen (whoever called it), so the plan resumes after any mistake.
     """
-    f, seen = task.facts, set()
+    f, seen = task.facts, collections.Counter()
     for _, observation in history:
         if m := _INDEX_HEADER.match(observation):
-            seen.add((int(m[1]), int(m[2])))
+            seen[(int(m[1]), int(m[2]))] += 1
     if not any(observation.startswith(f"test {f['test_method']} calls") for _, observation in history):
         return "Read the failing test.\n" + ToolCall("test", {}).render()
     for fn, pages in enumerate(f["pages"], 1):
         for page in range(1, pages + 1):
             if (fn, page) not in seen:
                 return "Read the next page.\n" + ToolCall("open", {"fn": fn, "page": page}).render()
+    answer = {"fn": f["gold"], "page": f["gold_page"]}
+    if seen[(f["gold"], f["gold_page"])] < 2:
+        return "Read the page with the bug again.\n" + ToolCall("open", answer).render()
     if not any(observation.startswith("traceback:") for _, observation in history):
         return "Read the traceback.\n" + ToolCall("trace", {}).render()
-    return "Submit the page with the bug.\n" + ToolCall("submit", {"fn": f["gold"], "page": f["gold_page"]}).render()
+    return "Submit the page with the bug.\n" + ToolCall("submit", answer).render()
 
 
 @functools.lru_cache(maxsize=1)

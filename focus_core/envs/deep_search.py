@@ -20,13 +20,23 @@ checked over the structured records: every question has exactly one answer (its 
 Every generated task is replayed with the expert and kept only if it is solved within the tier's turn range.
 
 Expert (a fixed plan the tiny model can imitate): search the hop phrase, open the top hit (H), then walk H's
-neighbours in the listed order: search the name, open the hit with that exact title, read page 0 (and at the
-default tier page 1, where currency, languages and time zones are), drop the neighbour at the first fact that
-does not hold, and answer the first one that passes everything. Its state is re-read from the transcript on
-every call, so injected mistakes (wrong searches, wrong pages) are simply stepped over.
+neighbours in the listed order: open each one's sheet, read page 0 (and at the default and text tiers page 1,
+where currency, languages and time zones are), drop the neighbour at the first fact that does not hold, and
+answer the first one that passes everything. Its state is re-read from the transcript on every call, so injected
+mistakes (wrong searches, wrong pages, stray moves) are stepped over.
 
-Tiers. ``default``: templated wording, top-3 hits with short snippets, pages of at most ~330 characters, 6-20
-expert turns. ``hard``: paraphrased wording, more (also redundant and numeric) facts, top-5 hits, longer pages.
+Tiers.
+* ``default`` (the tiny CPU model): templated wording, short pages, 6-20 expert turns, and tools without
+  arguments - ``search()`` (the question's first clue), ``open()`` (the top hit), ``neighbour()`` (the next
+  one), ``page()`` (the next page), ``answer()`` (the sheet in front of the reader); each page ends with how
+  many of the question's clues it confirms, as a search engine highlights query terms. A from-scratch 2-layer
+  model learns the plan and the call format from a few minutes of SFT but not to copy names, docids or numbers
+  out of its context (measured: none of ~400 such calls right after SFT), so what is left to decide here is
+  when a neighbour fails a clue and when one fits them all (the expert reads both pages of each neighbour).
+  The reader's position is a function of the calls so far; branches replay them (``SegmentStart.calls``).
+* ``text``: the same questions with free-text calls - ``search(query)``, ``get_document(docid, page)``,
+  ``answer(text)`` - top-3 hits with short snippets, pages of at most ~330 characters (real small models).
+* ``hard``: paraphrased wording, more (also redundant and numeric) facts, top-5 hits, longer pages, free text.
 Split: ``split_of(T's name, 0.2)``; a train question never uses a held-out country as its hop.
 """
 
@@ -90,15 +100,14 @@ class Country:
     provinces: tuple[str, ...]
     aliases: tuple[str, ...]  # normalised accepted answers
 
-    def fields(self, numbered_borders: bool = False) -> list[str]:
+    def fields(self) -> list[str]:
         """The fact sentences of the sheet, in page order (provinces last)."""
         def items(values: tuple[str, ...], prefix: str = "") -> str:
             return ", ".join(prefix + v for v in values) or "none"
-        borders = ", ".join(f"{i} {name}" for i, name in enumerate(self.borders, 1)) if numbered_borders else None
         return [f"Capital: {self.capital or 'none'}.", f"Location: {self.location or 'unknown'}, {self.region}.",
                 f"Population: {self.population:,}." if self.population else "Population: unknown.",
                 f"Area: {self.area:,} km2." if self.area else "Area: unknown.",
-                f"Borders: {borders or items(self.borders)}.", f"Currency: {items(self.currencies)}.",
+                f"Borders: {items(self.borders)}.", f"Currency: {items(self.currencies)}.",
                 f"Languages: {items(self.languages)}.", f"Calling code: {items(self.calling_codes, '+')}.",
                 f"Internet domain: {items(self.domains)}.", f"Demonym: {self.demonym or 'unknown'}.",
                 f"Time zones: {items(self.timezones)}.", f"Provinces: {items(self.provinces)}."]
@@ -179,10 +188,10 @@ def load_countries() -> list[Country]:
 # -- corpus: pages and BM25 search ---------------------------------------------------------------------------------
 
 
-def render_pages(country: Country, tier: str, numbered_borders: bool = False) -> list[str]:
+def render_pages(country: Country, tier: str) -> list[str]:
     """Pages of a sheet. Default and text tiers: facts of place (page 0), of people and money (page 1), then
     provinces; the hard tier: all facts on page 0."""
-    fields = country.fields(numbered_borders)
+    fields = country.fields()
     budget = TIERS[tier]["page"] - 40  # room for the "[d042 p0/3] Name." header
     bodies = [" ".join(fields[:5]), " ".join(fields[5:11])] if tier in PAGED else [" ".join(fields[:11])]
     chunk = "Provinces:"
@@ -401,17 +410,20 @@ TEXT_TOOLS = (
     ToolSpec("answer", "give the final answer (a country name); ends the episode",
              (("text", "string", "the answer"),), ("text",)),
 )
-# The default tier's tools take small numbers instead of text: a from-scratch tiny model learns the plan and the
-# call format in minutes but not to copy names or docids out of its context (see the module docstring).
-INDEX_TOOLS = (
-    ToolSpec("search", "BM25 search with the question's first clue; numbered hits 'N. title | snippet'", (), ()),
-    ToolSpec("get_document", "read a page of search hit N, or of its neighbour M as numbered in the hit's Borders "
-             "(pages from 0)", (("hit", "integer", "hit number"), ("neighbour", "integer", "omit for the hit itself"),
-                                ("page", "integer", "page number, default 0")), ("hit",)),
-    ToolSpec("answer", "answer with search hit N, or its neighbour M; ends the episode",
-             (("hit", "integer", "hit number"), ("neighbour", "integer", "omit for the hit itself")), ("hit",)),
+# The default tier's tools take no arguments: a reader with a position walks the hop's neighbours. A from-scratch
+# tiny model learns a plan and the call format in minutes, but not to copy a name, docid or number out of its
+# context (measured: 0% of such calls right after SFT), so at this tier the only thing left to decide is *when*
+# to move on and when to answer - which is what the question's clues decide.
+CURSOR_TOOLS = (  # one short word each: the tiny tokenizer gives each its own token
+    ToolSpec("search", "BM25 search with the question's first clue; shows the top hits", (), ()),
+    ToolSpec("open", "open the top hit's sheet (page 0, with its Borders); starts its neighbours over", (), ()),
+    ToolSpec("neighbour", "open page 0 of the top hit's next neighbour, in the order its Borders list", (), ()),
+    ToolSpec("page", "read the next page of the sheet in front of you", (), ()),
+    ToolSpec("answer", "answer with the country of the sheet in front of you; ends the episode", (), ()),
 )
-_INDEX_FOOTER = re.compile(r"\[[^\[\]]+: hit (\d+)(?: > neighbour (\d+))?, page (\d+)/\d+\]$")
+# Every reader observation ends with where the reader is and how many of the question's clues the page confirms
+# (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2, clues here: 1]".
+_CURSOR_FOOTER = re.compile(r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+, clues here: \d+\]$")
 
 
 @register_env("deep_search")
@@ -430,14 +442,20 @@ class DeepSearchEnv(ToolEnv):
 
     @classmethod
     def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
-        return INDEX_TOOLS if tier == "default" else TEXT_TOOLS
+        return CURSOR_TOOLS if tier == "default" else TEXT_TOOLS
+
+    def reset(self, task: Task) -> str:
+        self._searched = False  # the default tier's reader: whether search() ran, the open top hit,
+        self._top: Country | None = None  # the neighbour in front of it (0: the top hit itself) and its page
+        self._neighbour, self._page = 0, 0
+        return super().reset(task)
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         tier = self.task.tier
         if tier == "default":
-            return self._run_index_tool(call)
+            return self._run_cursor_tool(call)
         corpus = world()
         if call.name == "search":
             query = call.arguments["query"].strip()
@@ -462,35 +480,44 @@ class DeepSearchEnv(ToolEnv):
             raise ToolFailure(f"answer needs a name of 1-{MAX_ANSWER_CHARS} characters")
         return self._judge(normalise(text))
 
-    def _run_index_tool(self, call: ToolCall) -> ToolResult:
-        """Default tier. Every output is a function of the task and the call alone (no browsing state), so a branch
-        started from any recorded context sees exactly what the original episode saw."""
+    def _run_cursor_tool(self, call: ToolCall) -> ToolResult:
+        """Default tier: the reader's position is a function of the calls so far, which a branch replays."""
         corpus, query = world(), self.task.facts["hop_query"]
-        hits = corpus.search(query, TIERS["default"]["k"])
         if call.name == "search":
+            self._searched = True
             width = TIERS["default"]["snippet"]
+            hits = corpus.search(query, TIERS["default"]["k"])
             return ToolResult("\n".join(f"{i}. {c.name} | {corpus.snippet(c, query, width)}"
                                          for i, c in enumerate(hits, 1)))
-        hit, neighbour = call.arguments["hit"], call.arguments.get("neighbour")
-        if not 1 <= hit <= len(hits):
-            raise ToolFailure(f"hit must be 1 to {len(hits)} (the numbers search shows)")
-        sheet, label = hits[hit - 1], f"hit {hit}"
-        if neighbour is not None:
-            if not 1 <= neighbour <= len(sheet.borders):
-                raise ToolFailure(f"hit {hit} has neighbours 1 to {len(sheet.borders)}" if sheet.borders
-                                  else f"hit {hit} has no neighbours")
-            sheet, label = corpus.by_name[sheet.borders[neighbour - 1]], f"{label} > neighbour {neighbour}"
-        if call.name == "answer":
-            return self._judge(normalise(sheet.name))
-        pages = render_pages(sheet, "default", numbered_borders=neighbour is None)
-        page = call.arguments.get("page", 0)
-        if not 0 <= page < len(pages):
-            raise ToolFailure(f"{label} has pages 0 to {len(pages) - 1}")
-        # "[d042 p0/2] Name. body" -> "body [Name: hit 1 > neighbour 2, page 0/2]". The numbers the next call needs
-        # end the observation, a fixed few tokens before the policy writes them: a tiny model learns to pick up a
-        # number at a fixed distance long before it learns to find one anywhere in its context.
-        body = pages[page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")
-        return ToolResult(f"{body} [{sheet.name}: {label}, page {page}/{len(pages) - 1}]")
+        if call.name == "open":
+            if not self._searched:
+                raise ToolFailure("there is no hit yet; call search() first")
+            self._top, self._neighbour, self._page = corpus.search(query, 1)[0], 0, 0
+        elif self._top is None:
+            raise ToolFailure("no sheet is open; call search() and open() first")
+        elif call.name == "neighbour":
+            if self._neighbour == len(self._top.borders):
+                raise ToolFailure(f"{self._top.name} has no more neighbours; open() starts them over")
+            self._neighbour, self._page = self._neighbour + 1, 0
+        elif call.name == "page":
+            if self._page + 1 == len(render_pages(self._sheet(), "default")):
+                raise ToolFailure("this is the sheet's last page")
+            self._page += 1
+        else:
+            return self._judge(normalise(self._sheet().name))
+        sheet = self._sheet()
+        pages = render_pages(sheet, "default")
+        where = f"neighbour {self._neighbour} of {len(self._top.borders)}" if self._neighbour else "top hit"
+        body = pages[self._page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")  # drop "[d042 p0/2] Name. "
+        confirmed = sum(f.page("default") == self._page and f.holds(sheet) for f in self._constraints())
+        last = len(pages) - 1
+        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{last}, clues here: {confirmed}]")
+
+    def _constraints(self) -> list[Constraint]:
+        return [Constraint(kind, value) for kind, value in self.task.facts["constraints"]]
+
+    def _sheet(self) -> Country:
+        return world().by_name[self._top.borders[self._neighbour - 1]] if self._neighbour else self._top
 
     def _judge(self, answer: str) -> ToolResult:
         correct = answer in self.task.facts["aliases"]
@@ -600,7 +627,7 @@ class DeepSearchEnv(ToolEnv):
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
         if task.tier == "default":
-            return self._index_expert(task, history)
+            return self._cursor_expert(task, history)
         corpus, facts, tier = world(), task.facts, task.tier
         seen_pages = {(d, int(p)) for _, obs in history for d, p in _PAGE_HEADER.findall(obs)}
         hits = {title: d for _, obs in history for d, title in _HIT_LINE.findall(obs)}
@@ -640,40 +667,28 @@ class DeepSearchEnv(ToolEnv):
                        page=missing[0])
         return act("No neighbour fits; answer the best guess.", "answer", text=facts["candidates"][0])
 
-    def _index_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
-        """The same plan with the default tier's numbered calls: the hop is search hit 1, and its neighbours are
-        checked as neighbour 1, 2, ... of hit 1. Reasons are fixed phrases that name nothing: the decision (fits
-        or fails) is the content; the numbers are in the call."""
+    def _cursor_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """The plan with the default tier's reader: read pages 0 and 1 of each neighbour, then answer or move on.
+        Reasons are fixed phrases that name nothing. After a stray move past the answer, it starts over."""
         corpus, facts = world(), task.facts
-        seen = {(int(h), int(n or 0), int(p)) for _, obs in history for h, n, p in _INDEX_FOOTER.findall(obs)}
-        searched = any(_is_index_search(action) and not obs.startswith("Error") for action, obs in history)
-
-        def act(reason: str, name: str, **arguments: Any) -> str:
-            return f"{reason}\n{ToolCall(name, arguments).render()}"
-
-        if (1, 0, 0) not in seen:
-            return act("Open the top hit.", "get_document", hit=1) if searched else \
-                act("Search the first clue.", "search")
-        constraints = [Constraint(kind, value) for kind, value in facts["constraints"]]
-        pages = sorted({0} | {f.page("default") for f in constraints})
-        rejected = False
-        for number, name in enumerate(facts["candidates"], 1):  # H's neighbours, numbered as its sheet lists them
-            c = corpus.by_name[name]
-            if any((1, number, f.page("default")) in seen and not f.holds(c) for f in constraints):
-                rejected = True
-                continue
-            missing = [p for p in pages if (1, number, p) not in seen]
-            if not missing:
-                return act("It fits every clue.", "answer", hit=1, neighbour=number)
-            if missing[0] == 0:
-                reason = "It fails a clue. Next neighbour." if rejected else "Check the first neighbour."
-                return act(reason, "get_document", hit=1, neighbour=number)
-            return act(f"It fits so far; read page {missing[0]}.", "get_document", hit=1, neighbour=number,
-                       page=missing[0])
-        return act("No neighbour fits; answer the first.", "answer", hit=1, neighbour=1)
+        positions = [m for _, obs in history if (m := _CURSOR_FOOTER.search(obs))]
+        if not positions:
+            searched = any(_cursor_call(action) == "search" and not obs.startswith("Error") for action, obs in history)
+            return "Open the top hit.\nopen()" if searched else "Search the first clue.\nsearch()"
+        neighbour, page = int(positions[-1].group(1) or 0), int(positions[-1].group(2))
+        if neighbour == 0:
+            return "Check the first neighbour.\nneighbour()"
+        if neighbour > facts["candidates"].index(task.answer) + 1:
+            return "The answer was behind us; start over.\nopen()"
+        if page == 0:
+            return "Read the next page.\npage()"
+        c = corpus.by_name[facts["candidates"][neighbour - 1]]
+        if all(Constraint(kind, value).holds(c) for kind, value in facts["constraints"]):
+            return "It fits every clue.\nanswer()"
+        return "It fails a clue. Next neighbour.\nneighbour()"
 
 
 @functools.lru_cache(maxsize=65536)
-def _is_index_search(action: str) -> bool:
-    call = parse_tool_call(action, {spec.name: spec for spec in INDEX_TOOLS})
-    return isinstance(call, ToolCall) and call.name == "search"
+def _cursor_call(action: str) -> str | None:
+    call = parse_tool_call(action, {spec.name: spec for spec in CURSOR_TOOLS})
+    return call.name if isinstance(call, ToolCall) else None

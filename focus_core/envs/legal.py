@@ -21,8 +21,10 @@ Tiers. Three tiers share the data, the questions and the splits; they differ in 
   its context. ``search_statute()`` searches the question's own law and phrase and lists three numbered hits
   (the phrase's article ranks first by construction); ``read_article(hit, page)`` reads a page of a hit;
   ``read_cited(hit, cite, page)`` a page of the article that hit cites as number ``cite``;
-  ``answer(hit, cite, page)`` names the page of a cited article that holds the answer, ends the episode, and
-  is right when it is the answer's page in the answer's article. Every output is a pure function of the task
+  ``answer(hit, cite, page)`` names the page of a cited article that holds the answer (numbers from 1 to 3,
+  else an error), ends the episode, and is right when it is the answer's page in the answer's article (an
+  address that does not resolve is wrong, not an error: a random agent must not retry its way to the few
+  that do, which are mostly right). Every output is a pure function of the task
   and the call (no browsing state), as branches restart mid-episode from a transcript alone. Every article
   shows in exactly three pages (cut at the punctuation nearest its thirds; a long start article shows only
   the first 100 characters of each, cited articles are at most 300 characters long), so the expert's plan is
@@ -651,17 +653,23 @@ class LegalEnv(ToolEnv):
             width = TIERS["default"]["snippet"]
             return ToolResult("\n".join(f"{i}. {a.law} {a.label}: {_snippet(a.text, query, width)}"
                                          for i, a in enumerate(_index_hits(query), 1)))
-        if call.name == "answer":  # final whatever it names: a bad address is a wrong answer, not a retry
-            try:
-                article = _resolve(query, call.arguments["hit"], call.arguments["cite"])[0]
-            except ToolFailure:
-                article = None
-            # Right when it names the answer's page of the article holding it (whatever address led there).
-            correct = article is not None and (article.law, article.label, call.arguments["page"]) == (
-                facts["law"], facts["path"][1], facts["page"])
-            return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
-        article, where = _resolve(query, call.arguments["hit"], call.arguments.get("cite"))
-        return ToolResult(_third(article, call.arguments.get("page", 1), where))
+        if call.name != "answer":
+            article, where = _resolve(query, call.arguments["hit"], call.arguments.get("cite"))
+            return ToolResult(_third(article, call.arguments.get("page", 1), where))
+        # A number out of 1-3 is a slip and an error, as in a read; any other answer is final, and right when it
+        # names the answer's page of the article holding it (whatever address led there). Were every address
+        # that does not resolve an error, a random agent would retry until its answer resolved, and the few
+        # addresses that do resolve are mostly the right one (hit 1, its only citation).
+        hit, cite, page = (call.arguments[name] for name in ("hit", "cite", "page"))
+        if not all(1 <= number <= 3 for number in (hit, cite, page)):
+            raise ToolFailure("hit, cite and page are numbers from 1 to 3")
+        try:
+            article = _resolve(query, hit, cite)[0]
+        except ToolFailure:
+            article = None  # an address that does not resolve: a wrong answer
+        correct = article is not None and (article.law, article.label, page) == (
+            facts["law"], facts["path"][1], facts["page"])
+        return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
 
     # -- the scripted expert ---------------------------------------------------------------------------------
 
