@@ -231,3 +231,10 @@ def test_smollm2_chatml_contexts_are_built_exactly_as_the_template_renders_them(
         built += turn.token_ids
     # Up to the generation prompt after the last tool turn, the incremental ids are the template's.
     assert built == chat_ids(policy.tokenizer, messages, add_generation_prompt=True)
+
+
+def test_notes_after_an_empty_policy_message():
+    """Regression: an empty message (a policy that stops at once) made the notes compressor raise IndexError."""
+    from focus_core.agent.harness import summarize_notes
+
+    assert summarize_notes(["at 1"], [("", "Error: no tool call found")]) == "- at 1\nLast call: "

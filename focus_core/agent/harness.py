@@ -369,7 +369,7 @@ def summarize_notes(notes: Sequence[str], history: Sequence[tuple[str, str]]) ->
     """Deterministic compressor: the start of each of the segment's last observations, then the last action."""
     lines = [f"- {note}" for note in notes[-4:] if note]
     if history:
-        lines.append(f"Last call: {history[-1][0].splitlines()[-1]}")
+        lines.append(f"Last call: {(history[-1][0].splitlines() or [''])[-1]}")
     return "\n".join(lines)
 
 
