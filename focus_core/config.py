@@ -246,7 +246,7 @@ class BootstrapConfig(_Section):
     """SFT warm start of the tiny model on scripted-expert demonstrations with injected mistakes."""
 
     demonstrations: int = Field(1000, ge=1, description="expert episodes on training tasks")
-    mistake_rate: float = Field(0.15, ge=0.0, le=1.0, description="share of expert actions replaced by random ones")
+    mistake_rate: float = Field(0.05, ge=0.0, le=1.0, description="share of expert actions replaced by random ones")
     lr: float = Field(3e-3, gt=0.0, description="AdamW learning rate (linear decay)")
     epochs: float = Field(100.0, gt=0.0, description="passes over the demonstrations (max_seconds usually stops first)")
     max_seconds: float = Field(240.0, gt=0.0, description="wall-clock limit of the fine-tuning loop")

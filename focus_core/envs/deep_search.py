@@ -29,10 +29,11 @@ Tiers.
 * ``default`` (the tiny CPU model): templated wording, short pages, 6-20 expert turns, and tools without
   arguments - ``search()`` (the question's first clue), ``open()`` (the top hit), ``neighbour()`` (the next
   one), ``page()`` (the next page), ``answer()`` (the sheet in front of the reader); each page ends with how
-  many of the question's clues it confirms, as a search engine highlights query terms. A from-scratch 2-layer
-  model learns the plan and the call format from a few minutes of SFT but not to copy names, docids or numbers
-  out of its context (measured: none of ~400 such calls right after SFT), so what is left to decide here is
-  when a neighbour fails a clue and when one fits them all (the expert reads both pages of each neighbour).
+  many of the question's clues the sheet's pages up to it confirm, as a search engine highlights query terms.
+  A from-scratch 2-layer model learns the plan and the call format from a few minutes of SFT but not to copy
+  names, docids or numbers out of its context (measured: none of ~400 such calls right after SFT), so what is
+  left to decide here is when a neighbour fails a clue and when one fits them all (the expert reads both pages
+  of each neighbour).
   The reader's position is a function of the calls so far; branches replay them (``SegmentStart.calls``).
 * ``text``: the same questions with free-text calls - ``search(query)``, ``get_document(docid, page)``,
   ``answer(text)`` - top-3 hits with short snippets, pages of at most ~330 characters (real small models).
@@ -421,9 +422,10 @@ CURSOR_TOOLS = (  # one short word each: the tiny tokenizer gives each its own t
     ToolSpec("page", "read the next page of the sheet in front of you", (), ()),
     ToolSpec("answer", "answer with the country of the sheet in front of you; ends the episode", (), ()),
 )
-# Every reader observation ends with where the reader is and how many of the question's clues the page confirms
-# (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2, clues here: 1]".
-_CURSOR_FOOTER = re.compile(r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+, clues here: \d+\]$")
+# Every reader observation ends with where the reader is and how many of the question's clues the pages read so
+# far confirm (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2; clues met: 1 of 2]".
+_CURSOR_FOOTER = re.compile(
+    r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+; clues met: \d+ of \d+\]$")
 
 
 @register_env("deep_search")
@@ -509,9 +511,10 @@ class DeepSearchEnv(ToolEnv):
         pages = render_pages(sheet, "default")
         where = f"neighbour {self._neighbour} of {len(self._top.borders)}" if self._neighbour else "top hit"
         body = pages[self._page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")  # drop "[d042 p0/2] Name. "
-        confirmed = sum(f.page("default") == self._page and f.holds(sheet) for f in self._constraints())
+        clues = self._constraints()
+        met = sum(f.page("default") <= self._page and f.holds(sheet) for f in clues)
         last = len(pages) - 1
-        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{last}, clues here: {confirmed}]")
+        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{last}; clues met: {met} of {len(clues)}]")
 
     def _constraints(self) -> list[Constraint]:
         return [Constraint(kind, value) for kind, value in self.task.facts["constraints"]]
