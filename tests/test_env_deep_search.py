@@ -128,20 +128,17 @@ def test_expert_solves_heldout_with_short_observations(tier, env, text_env):
     assert sum(run_episode(hard_env, task, expert(hard_env))[0] for task in hard) / len(hard) >= 0.9
 
 
-def test_default_tier_calls_take_no_arguments_and_reasons_name_no_entity(env):
+def test_default_tier_messages_are_bare_calls_without_arguments(env):
     task = env.tasks("heldout")[0]
     _, history = run_episode(env, task, expert(env))
-    entities = {c.name for c in world().countries} | {c.docid for c in world().countries}
     for action, _ in history:
-        reason, call = action.split("\n")
-        assert re.fullmatch(r"(search|open|neighbour|page|answer)\(\)", call), call
-        assert not any(re.search(rf"\b{re.escape(e)}\b", reason) for e in entities), reason
-    assert [a.split("\n")[1] for a, _ in history[:3]] == ["search()", "open()", "neighbour()"]
-    answer, clues = world().by_name[task.answer], len(task.facts["constraints"])
+        assert re.fullmatch(r"(search|open|neighbour|page|answer)\(\)", action), action
+    assert [action for action, _ in history[:3]] == ["search()", "open()", "neighbour()"]
+    answer = world().by_name[task.answer]
     assert history[-1][0].endswith("answer()") and history[-2][1].endswith(
         f"[{task.answer}: neighbour {task.facts['candidates'].index(task.answer) + 1} of "
         f"{len(task.facts['candidates'])}, page 1/{len(render_pages(answer, 'default')) - 1}; "
-        f"clues met: {clues} of {clues}]")  # by page 1 the answer confirms every clue
+        "clues met: all]")  # by page 1 the answer confirms every clue
 
 
 def test_default_tier_observations_are_a_function_of_the_calls_so_far(env):
@@ -162,7 +159,7 @@ def test_default_tier_observations_are_a_function_of_the_calls_so_far(env):
     assert fresh.step("open()")[0] == first  # starts the neighbours over
     first_neighbour = world().by_name[task.facts["candidates"][0]]
     clues = [Constraint(kind, value) for kind, value in task.facts["constraints"]]
-    met = sum(f.page("default") == 0 and f.holds(first_neighbour) for f in clues)
+    met = sum(f.page("default") == 0 and f.holds(first_neighbour) for f in clues)  # page 1 always holds a clue
     assert fresh.step("neighbour()")[0].endswith(
         f"[{first_neighbour.name}: neighbour 1 of {len(task.facts['candidates'])}, page 0/"
         f"{len(render_pages(first_neighbour, 'default')) - 1}; clues met: {met} of {len(clues)}]")

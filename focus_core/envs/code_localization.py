@@ -9,20 +9,32 @@ Tasks. One task per (mutated function, failing test) pair, at most ``MAX_TASKS_P
 The split is decided by the target file (``split_of("lib/<module>.py")``), so held-out modules are never
 train targets. Tiers (the tools differ, see ``tools_for``):
 
-* ``default`` (the tiny from-scratch CPU model): every argument is a small index, because that model learns
-  the format of calls but not to copy a path, identifier or line number from its context. The failing test
-  calls 1-4 functions of the module by name, the buggy one among them. ``test()`` lists them numbered (in call
-  order) above the test's first lines; ``open(fn=i, page=p)`` shows page p (eight code lines; docstring, blank
-  and comment lines left out; at most three pages) of function i as it is in the mutated repository;
-  ``trace()`` shows the failure's traceback, frames of listed functions marked with their number; and
-  ``submit(fn=i, page=p)`` ends the episode: reward 1 when function i is the mutated one and page p shows the
-  mutated line. The page is part of the answer so that guessing stays rare (a random agent's integers would
-  name the right function of a short list too often), and any numbers are a final answer, never an error, for
-  the same reason. Every output is a pure function of (task, arguments), with no browsing state. The expert's
-  plan is fixed: test(), every page of every function in order (the header "fn i/N <name> page p/P" says what
-  comes next), the page with the bug again, trace(), then submit. The one decision, which (function, page)
-  holds the bug, takes reading the code (or a marked frame of the traceback, when the error was raised there).
-  Expert episodes take 5-17 turns (median 7).
+* ``default`` (the tiny from-scratch CPU model): a reader with argument-free tools, one short word each, because
+  that model learns tool names and the order of steps in a few minutes of SFT but not to write the right
+  digits, paths or names (measured with the previous small-integer tools ``open(fn, page)`` /
+  ``submit(fn, page)``: it always wrote the most frequent function and page, 0.06-0.16 held-out). The reader's
+  position is kept in the environment and is a function of the calls so far (a branch replays them,
+  ``SegmentStart.calls``). ``test()`` shows the failing test and lists the functions it runs - those it calls
+  by a name that resolves to one function of the module, then what they call, two levels deep, at most
+  ``READER_FUNCTIONS``, in file order (the buggy one is among the called ones; listing its callees and sorting
+  by file keeps its place in the list from telling) - and puts any function away; ``trace()`` shows the
+  traceback (innermost frame last; frames of listed functions marked '(fn k)') and puts any function away;
+  ``next()`` opens the next listed function at page 1; ``page()`` shows the next page (eight code lines;
+  docstring, blank and comment lines left out; at most three pages); ``submit()`` submits the function and
+  page in front and ends the episode. Every observation ends with where the reader is, "[fn 2 of 5, page 1/3]"
+  or "[no function open; 5 listed]"; a call that makes no sense where the reader is (``next()`` before
+  ``test()`` or after the last function, ``page()`` on a last page or with no function open) is an ``Error:``
+  observation. The line where the exception was raised (the traceback's innermost frame in the module) ends
+  with "<- raised here" on its page, as a debugger marks it; it is on the buggy page in about 40% of tasks.
+  Reward: 1 when the function in front is the mutated one and the page in front shows the mutated line.
+  The page is kept in the answer (and ``submit()`` with no function open is a wrong answer, not an error) so
+  that a guess stays rare: uniformly random calls reach a listed function and submit there often enough that
+  the function alone pays a random agent ~0.07, the page brings it to ~0.04; an error instead of a wrong
+  answer would only give it more tries. The expert's plan is fixed: test(), trace(), then next() / page()
+  through the functions in order until the page with the bug is in front, then submit(); a stray move past
+  that page starts over with test(). Its thoughts are fixed phrases naming nothing. The one decision is which
+  page holds the bug (when to stop and submit); a content-blind policy that always submits at the first page
+  of function 1 is right in ~0.27 of tasks. Expert episodes take 4-15 turns (median 6).
 * ``text`` (real models, e.g. SmolLM2): free-text tools over a private copy of the repository, ``ls``, ``grep``,
   ``open``, ``search`` and ``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")`` (the file-level hit
   is reported in ``info``). The issue is the failing test's name and class plus its exception line; pages are
@@ -38,13 +50,13 @@ Workspaces (``text`` and ``hard``) live under ``$FOCUS_DATA_DIR/code_localizatio
 base tree per module pool (copied from the interpreter's stdlib after the hash check) and one directory per task,
 made lazily of hard links to the base tree plus the mutated file. Tools resolve every path inside the task
 directory and refuse absolute paths, ``..``, symlinks and over-long paths, so the installed stdlib is never
-reachable. The ``default`` tier needs no workspace: it only shows the test and the listed functions.
+reachable. The ``default`` tier needs no workspace: it only shows the test, the traceback and the listed
+functions.
 """
 
 from __future__ import annotations
 
 import ast
-import collections
 import functools
 import os
 import posixpath
@@ -67,7 +79,7 @@ SPLIT_SALT = "code_localization-v1"
 MAX_TASKS_PER_FUNCTION = 6
 MAX_PATH_CHARS = 200
 # Part of every task id: bump it when the tasks a tier generates change, so no cache keyed by task id is stale.
-TASK_VERSION = "2"
+TASK_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -80,15 +92,16 @@ class Tier:
     test_pages: int  # pages of the failing test the expert reads (text: the call must be on one of them)
 
 
-TIERS = {  # the default tier's pages are INDEX_PAGE_LINES code lines; it uses line_chars and max_chars only
+TIERS = {  # the default tier: page_lines code lines a page, line_chars, max_chars
     "default": Tier(page_lines=8, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1),
     "text": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
     "hard": Tier(page_lines=40, line_chars=110, grep_hits=20, search_k=8, max_chars=4000, test_pages=1),
 }
 SCOPE = {"default": "named", "text": "named", "hard": "all"}  # the mutants a tier draws from (code_mutations.SCOPES)
 INSTRUCTION = 'Find the buggy function. End with submit(location="path::qualname").'
-INDEX_INSTRUCTION = "Find the bug: read the test, then its functions page by page. End with submit(fn, page)."
-INDEX_CANDIDATES = 4  # the most functions of the module the default tier's failing test may call
+INDEX_INSTRUCTION = "Find the bug: read the test, then its functions page by page. Submit the page with the bug."
+INDEX_CANDIDATES = 4  # the most functions of the module the default tier's failing test may call by name
+READER_FUNCTIONS = 6  # the most functions test() lists: those the test calls, then what they call (two levels)
 INDEX_MAX_PAGES = 3  # pages of a function the default tier shows; the mutated line must be on one of them
 
 
@@ -182,17 +195,21 @@ TEXT_TOOLS = (
     ToolSpec("submit", "submit the buggy function; ends the episode", (
         ("location", "string", "path::qualname, e.g. 'lib/textwrap.py::TextWrapper.wrap'"),), ("location",)),
 )
-INDEX_TOOLS = (
-    ToolSpec("test", "the failing test: the functions it calls, numbered, and its first lines"),
-    ToolSpec("trace", "where the failing test failed: its traceback, innermost frame last"),
-    ToolSpec("open", "a page of one of the test's functions", (
-        ("fn", "integer", "the function's number in test()"), ("page", "integer", "page number, from 1")),
-        ("fn", "page")),
-    ToolSpec("submit", "submit the page of a function that holds the bug; ends the episode", (
-        ("fn", "integer", "the function's number in test()"), ("page", "integer", "the page with the bug")),
-        ("fn", "page")),
+# The default tier's tools take no arguments: a reader walks the functions the failing test runs. A from-scratch
+# tiny model learns the plan and the call format in minutes but not to write the right digits (measured with
+# integer arguments: it always wrote the most frequent function and page), so at this tier what is left to decide
+# is when to move on and when to submit - which is what the code on the page decides.
+READER_TOOLS = (  # one short word each
+    ToolSpec("test", "the failing test and the functions it runs, in file order; puts any function away", (), ()),
+    ToolSpec("trace", "the failing test's traceback, innermost frame last; puts any function away", (), ()),
+    ToolSpec("next", "open the next function test() listed, at its page 1", (), ()),
+    ToolSpec("page", "the next page of the function in front of you", (), ()),
+    ToolSpec("submit", "submit the function in front of you as the buggy one, pointing at this page; ends the "
+             "episode", (), ()),
 )
-_INDEX_HEADER = re.compile(r"^fn (\d+)/\d+ \S+ page (\d+)/\d+")
+# Every reader observation ends with where the reader is: "[fn 2 of 5, page 1/3]" or "[no function open; 5 listed]"
+# ("[no function open]" before test()).
+_READER_FOOTER = re.compile(r"\[(?:fn (\d+) of \d+, page (\d+)/\d+|no function open(; \d+ listed)?)\]$")
 
 
 @register_env("code_localization")
@@ -202,7 +219,7 @@ class CodeLocalizationEnv(ToolEnv):
     @classmethod
     def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
         # A subclass with its own toolset (swebench_loc) keeps it on every tier.
-        return INDEX_TOOLS if tier == "default" and cls.tools is TEXT_TOOLS else cls.tools
+        return READER_TOOLS if tier == "default" and cls.tools is TEXT_TOOLS else cls.tools
 
     def __init__(self, modules: tuple[str, ...] | None = None, tier: str = "default") -> None:
         """``modules`` restricts the repository to a few modules (quick tasks for tests); default: cm.MODULES."""
@@ -246,7 +263,7 @@ class CodeLocalizationEnv(ToolEnv):
                 for failure in failures:
                     if (record["qualname"], failure["test_id"]) in used:
                         continue
-                    plan = _index_plan if tier == "default" else _plan
+                    plan = _reader_plan if tier == "default" else _plan
                     facts, prompt = plan(repo, record, failure, tier), _issue(record, failure, tier)
                     if facts is None or any(secret in prompt for secret in _host_paths()):
                         continue
@@ -269,18 +286,13 @@ class CodeLocalizationEnv(ToolEnv):
         self.tier = TIERS[task.tier]
         self.max_observation_chars = self.tier.max_chars
         self.root = None  # the task's private copy is made on the first tool call
+        self._listed, self._fn, self._page = False, 0, 0  # the default tier's reader: test() ran, function, page
         return observation
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         args = call.arguments
-        if self.tools is INDEX_TOOLS:
-            if call.name == "test":
-                return ToolResult(_index_test(self.task))
-            if call.name == "trace":
-                return ToolResult("\n".join(_fit(self.task.facts["trace"], self.tier.max_chars - 20)))
-            if call.name == "open":
-                return ToolResult(_index_open(self.task, args["fn"], args["page"]))
-            return _index_submit(self.task, args["fn"], args["page"])
+        if self.tools is READER_TOOLS:
+            return self._run_reader_tool(call)
         try:
             if call.name == "ls":
                 return ToolResult(self._ls(args["path"], args.get("start", 0)))
@@ -293,6 +305,39 @@ class CodeLocalizationEnv(ToolEnv):
             return self._submit(args["location"])
         except OSError as exc:  # e.g. a name the file system rejects: never a crash, never a host path
             raise ToolFailure(f"cannot read that path ({exc.strerror or 'error'})") from None
+
+    def _run_reader_tool(self, call: ToolCall) -> ToolResult:
+        """Default tier: the reader's position is a function of the calls so far, which a branch replays."""
+        f = self.task.facts
+        if call.name == "submit":
+            return _reader_submit(self.task, self._fn, self._page)
+        if call.name == "test":
+            self._listed, self._fn, self._page = True, 0, 0
+            body = _reader_test(self.task)
+        elif call.name == "trace":
+            self._fn, self._page = 0, 0
+            body = "\n".join(_fit(f["trace"], self.tier.max_chars - 40))
+        elif call.name == "next":
+            if not self._listed:
+                raise ToolFailure("no functions are listed yet; call test() first")
+            if self._fn == len(f["candidates"]):
+                raise ToolFailure("that was the last function; test() starts them over")
+            self._fn, self._page = self._fn + 1, 1
+            body = _reader_page(self.task, self._fn, self._page)
+        else:
+            if not self._fn:
+                raise ToolFailure("no function is open; call next()")
+            if self._page == f["pages"][self._fn - 1]:
+                raise ToolFailure("this is the function's last page; next() opens the next function")
+            self._page += 1
+            body = _reader_page(self.task, self._fn, self._page)
+        return ToolResult(f"{body}\n{self._footer()}")
+
+    def _footer(self) -> str:
+        n = len(self.task.facts["candidates"])
+        if self._fn:
+            return f"[fn {self._fn} of {n}, page {self._page}/{self.task.facts['pages'][self._fn - 1]}]"
+        return f"[no function open; {n} listed]" if self._listed else "[no function open]"
 
     def _resolve(self, path: str) -> tuple[Path, str]:
         raw = path.strip()
@@ -401,7 +446,7 @@ class CodeLocalizationEnv(ToolEnv):
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
         if task.tier == "default":
-            return _index_expert(task, history)
+            return _reader_expert(task, history)
         return self._text_expert(task, history)
 
     def _text_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
@@ -539,22 +584,36 @@ def _issue(record: dict[str, Any], failure: dict[str, Any], tier: str) -> str:
     return f"{head}\n{_cut(exception, max(40, 298 - len(head) - len(instruction)))}\n{instruction}"
 
 
-# -- the default tier: indices only ------------------------------------------------------------------------------
+# -- the default tier: a reader over the functions the failing test runs ----------------------------------------
 
-def _index_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name: str) -> dict[str, Any] | None:
-    """The default tier's facts: the functions the failing test calls (the gold among them), their page counts
-    and the page of the mutated line; None when the test calls more than INDEX_CANDIDATES functions, does not
-    call the buggy one by a name that resolves to it alone, or the mutated line is past the pages shown."""
+def _reader_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tier_name: str) -> dict[str, Any] | None:
+    """The default tier's facts: the functions the failing test runs (those it calls by a name that resolves to
+    one function of the module, then what they call, two levels deep, at most READER_FUNCTIONS, in file order),
+    their page counts, the buggy one's number and the page of its mutated line, and the page where the exception
+    was raised (the innermost frame in the module, when it is in a listed function). None when the test calls
+    more than INDEX_CANDIDATES functions by name, does not call the buggy one by a name that resolves to it
+    alone, or the mutated line is past the pages shown."""
     module, (test_class, test_method) = record["module"], failure["test_id"].split(".")[-2:]
     test_file = f"tests/test_{module}.py"
     defs = _grep_lines(repo.files[test_file], f"def {test_method}(")
-    by_name = _call_names(repo.files[record["path"]])
+    pristine = repo.files[record["path"]]
+    by_name = _call_names(pristine)
     # A name several classes define (a method name) cannot be resolved from the test: it is left out, and a task
     # whose buggy function is called by such a name is not made.
     calls = [(name, line) for name, line in failure["calls"] or () if len(by_name.get(name, ())) == 1]
-    candidates = list(dict.fromkeys(by_name[name][0] for name, _ in calls))
-    if len(defs) != 1 or record["qualname"] not in candidates or len(candidates) > INDEX_CANDIDATES:
+    called = list(dict.fromkeys(by_name[name][0] for name, _ in calls))
+    if len(defs) != 1 or record["qualname"] not in called or len(called) > INDEX_CANDIDATES:
         return None
+    text = _mutated_text(",".join(repo.modules), record["path"], record["start"], record["end"], record["replacement"])
+    runs, frontier, callees = list(called), list(called), _callees(pristine)
+    for _ in range(2):  # what the called functions call, and what that calls
+        frontier = [q for caller in frontier for name in callees.get(caller, ())
+                    if len(by_name.get(name, ())) == 1 and (q := by_name[name][0]) not in runs]
+        for q in dict.fromkeys(frontier):
+            if len(runs) < READER_FUNCTIONS and _function_lines(text, q):
+                runs.append(q)
+    order = _def_order(pristine)
+    candidates = sorted(runs, key=order.__getitem__)
     facts = {"pool": ",".join(repo.modules), "module": module, "path": record["path"], "qualname": record["qualname"],
              "def_line": record["def_line"], "mutated_line": record["line"], "op": record["op"],
              "start": record["start"], "end": record["end"], "replacement": record["replacement"],
@@ -563,19 +622,25 @@ def _index_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], tie
              "trace": _trace(failure, module, candidates)}
     if any(secret in line for line in facts["trace"] for secret in _host_paths()):
         return None
-    text = _mutated_text(facts["pool"], record["path"], record["start"], record["end"], record["replacement"])
-    pages, gold_page = [], None
-    for qualname in candidates:
+    page_lines = TIERS[tier_name].page_lines
+    pages, gold_page, raised = [], None, None
+    frames = re.findall(rf'File "(?:[^"]*/)?{re.escape(module)}\.py", line (\d+), in ', failure["traceback"])
+    raised_line = int(frames[-1]) if frames else None
+    for fn, qualname in enumerate(candidates, 1):
         lines = _function_lines(text, qualname)
         if not lines:
             return None
-        pages.append(min(INDEX_MAX_PAGES, -(-len(lines) // TIERS[tier_name].page_lines)))
+        numbers = [number for number, _ in lines]
+        pages.append(min(INDEX_MAX_PAGES, -(-len(lines) // page_lines)))
+        if raised_line in numbers and numbers.index(raised_line) < INDEX_MAX_PAGES * page_lines:
+            raised = [fn, numbers.index(raised_line) // page_lines + 1, raised_line]
         if qualname == record["qualname"]:
-            at = next((i for i, (number, _) in enumerate(lines) if number >= record["line"]), None)
-            gold_page = None if at is None else at // TIERS[tier_name].page_lines + 1
+            at = next((i for i, number in enumerate(numbers) if number >= record["line"]), None)
+            gold_page = None if at is None else at // page_lines + 1
     if gold_page is None or gold_page > INDEX_MAX_PAGES:
         return None
-    return {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page}
+    return {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page,
+            "raised": raised}
 
 
 @functools.lru_cache(maxsize=64)
@@ -585,6 +650,23 @@ def _call_names(text: str) -> dict[str, list[str]]:
     for entity, _ in cm.entities(ast.parse(text)):
         found.setdefault(_call_name(entity.qualname), []).append(entity.qualname)
     return found
+
+
+@functools.lru_cache(maxsize=64)
+def _callees(text: str) -> dict[str, tuple[str, ...]]:
+    """The names each entity calls (``f(...)``, ``x.f(...)``), in order of first appearance."""
+    found = {}
+    for entity, node in cm.entities(ast.parse(text)):
+        names = [call.func.id if isinstance(call.func, ast.Name) else call.func.attr for call in ast.walk(node)
+                 if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute))]
+        found[entity.qualname] = tuple(dict.fromkeys(names))
+    return found
+
+
+@functools.lru_cache(maxsize=64)
+def _def_order(text: str) -> dict[str, tuple[int, str]]:
+    """Where each entity is defined: the order test() lists functions in (file order)."""
+    return {entity.qualname: (node.lineno, entity.qualname) for entity, node in cm.entities(ast.parse(text))}
 
 
 @functools.lru_cache(maxsize=256)
@@ -612,7 +694,7 @@ def _function_lines(text: str, qualname: str) -> list[tuple[int, str]]:
 def _trace(failure: dict[str, Any], module: str, candidates: list[str]) -> list[str]:
     """The traceback as short lines, 'traceback:' then 'file:line in name' per frame (innermost last), then the
     exception line; at most the six innermost frames, so it fits a page. A frame of a listed function is marked
-    with its number ('(fn 2)'): evidence a policy can act on without copying a name."""
+    with its number ('(fn 2)')."""
     frames = []
     for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', failure["traceback"]):
         file, name = posixpath.basename(m[1]), m[3]
@@ -622,63 +704,60 @@ def _trace(failure: dict[str, Any], module: str, candidates: list[str]) -> list[
     return ["traceback:", *frames[-6:], exception]
 
 
-def _index_test(task: Task) -> str:
-    """The failing test: its functions, numbered in call order, then its first code lines up to the last call."""
+def _reader_test(task: Task) -> str:
+    """The failing test: the functions it runs, in file order, then its first code lines up to the last call."""
     f, width = task.facts, TIERS["default"].line_chars
-    listed = " ".join(f"{i} {qualname}" for i, qualname in enumerate(f["candidates"], 1))
+    listed = ", ".join(_cut(qualname, 30) for qualname in f["candidates"])
     text = _repo(tuple(f["pool"].split(","))).files[f["test_file"]]
     lines = text.splitlines()[f["test_def_line"] - 1: max(f["call_lines"])]
     indent = len(lines[0]) - len(lines[0].lstrip())
     body = [_cut(line[indent:].rstrip(), width) for line in lines if line.strip() and not line.strip().startswith("#")]
-    head = f"test {f['test_method']} calls {len(f['candidates'])} functions: {listed}"
-    return "\n".join(_fit([head, *body[:TIERS["default"].page_lines]], TIERS["default"].max_chars - 20))
+    head = f"test {f['test_method']} runs {len(f['candidates'])} functions: {listed}"
+    return "\n".join(_fit([head, *body[:TIERS["default"].page_lines]], TIERS["default"].max_chars - 40))
 
 
-def _index_open(task: Task, fn: int, page: int) -> str:
+def _reader_page(task: Task, fn: int, page: int) -> str:
+    """A page of a listed function: its name, then up to eight code lines; the line where the exception was
+    raised (the traceback's innermost frame in the module) ends with '<- raised here'."""
     f, tier = task.facts, TIERS["default"]
-    if not 1 <= fn <= len(f["candidates"]):
-        raise ToolFailure(f"fn must be 1 to {len(f['candidates'])}, a number test() lists")
-    pages = f["pages"][fn - 1]
-    if not 1 <= page <= pages:
-        raise ToolFailure(f"function {fn} has pages 1 to {pages}")
     text = _mutated_text(f["pool"], f["path"], f["start"], f["end"], f["replacement"])
     lines = _function_lines(text, f["candidates"][fn - 1])[(page - 1) * tier.page_lines: page * tier.page_lines]
-    head = f"fn {fn}/{len(f['candidates'])} {_cut(f['candidates'][fn - 1], 40)} page {page}/{pages}"
-    return "\n".join([head, *(_cut(line, tier.line_chars) for _, line in lines)])
+    raised = f["raised"][2] if f["raised"] and f["raised"][0] == fn else None
+    shown = [_cut(line, tier.line_chars) + ("  <- raised here" if number == raised else "") for number, line in lines]
+    return "\n".join(_fit([_cut(f["candidates"][fn - 1], 40), *shown], tier.max_chars - 40))
 
 
-def _index_submit(task: Task, fn: int, page: int) -> ToolResult:
-    """Any numbers end the episode: one that names no function is a wrong answer, not a retry."""
+def _reader_submit(task: Task, fn: int, page: int) -> ToolResult:
+    """The answer, whatever is in front: with no function open it is a wrong one, not a retry, so that a guess
+    stays a guess (an error there would give a random agent another try at the same position)."""
     f = task.facts
     function_hit = fn == f["gold"]
     hit = function_hit and page == f["gold_page"]
-    return ToolResult(f"Submitted fn {fn} page {page}: {'correct' if hit else 'wrong'}.", reward=float(hit),
-                      done=True, info={"function_hit": function_hit, "page_hit": hit})
+    what = f"fn {fn} page {page}" if fn else "no function"
+    return ToolResult(f"Submitted {what}: {'correct' if hit else 'wrong'}.", reward=float(hit), done=True,
+                      info={"function_hit": function_hit, "page_hit": hit})
 
 
-def _index_expert(task: Task, history: list[tuple[str, str]]) -> str:
-    """test(), every page of every listed function in order, the page with the bug again, trace(), then that
-    page as the answer. The traceback comes last so that the call after it is always the answer: the tiny model
-    can tell that step from the kind of the latest observation, without counting pages.
-
-    A step is skipped once its output is on screen (whoever called it), so the plan resumes after any mistake.
-    """
-    f, seen = task.facts, collections.Counter()
-    for _, observation in history:
-        if m := _INDEX_HEADER.match(observation):
-            seen[(int(m[1]), int(m[2]))] += 1
-    if not any(observation.startswith(f"test {f['test_method']} calls") for _, observation in history):
-        return "Read the failing test.\n" + ToolCall("test", {}).render()
-    for fn, pages in enumerate(f["pages"], 1):
-        for page in range(1, pages + 1):
-            if (fn, page) not in seen:
-                return "Read the next page.\n" + ToolCall("open", {"fn": fn, "page": page}).render()
-    answer = {"fn": f["gold"], "page": f["gold_page"]}
-    if seen[(f["gold"], f["gold_page"])] < 2:
-        return "Read the page with the bug again.\n" + ToolCall("open", answer).render()
-    if not any(observation.startswith("traceback:") for _, observation in history):
-        return "Read the traceback.\n" + ToolCall("trace", {}).render()
-    return "Submit the page with the bug.\n" + ToolCall("submit", answer).render()
+def _reader_expert(task: Task, history: list[tuple[str, str]]) -> str:
+    """test(), trace(), then next() through the listed functions in order, reading each page by page, until the
+    page with the bug is in front: submit(). Its state is the latest footer, so it resumes after any mistake (a
+    stray next() or page() past the bug starts over with test()). The thoughts are fixed phrases naming nothing."""
+    f = task.facts
+    where = next((m for _, observation in reversed(history) if (m := _READER_FOOTER.search(observation))), None)
+    if where is None or (not where[1] and not where[3]):
+        return "Read the failing test.\ntest()"
+    if not where[1]:
+        if not any(observation.startswith("traceback:") for _, observation in history):
+            return "Read the traceback.\ntrace()"
+        return "Open the first function.\nnext()"
+    fn, page = int(where[1]), int(where[2])
+    if (fn, page) == (f["gold"], f["gold_page"]):
+        return "The bug is on this page.\nsubmit()"
+    if (fn, page) > (f["gold"], f["gold_page"]):
+        return "The bug was behind us; start over.\ntest()"
+    if page < f["pages"][fn - 1]:
+        return "No bug yet. Read the next page.\npage()"
+    return "No bug here. Open the next function.\nnext()"
 
 
 @functools.lru_cache(maxsize=1)

