@@ -213,7 +213,7 @@ class EnvConfig(_Section):
                       "or an adapter (browsecomp_plus, swebench_loc)")
     tier: str = Field("default", description="difficulty tier; default suits the tiny CPU model")
     options: dict[str, Any] = Field(default_factory=dict, description="constructor arguments, e.g. adapter data paths")
-    eval_tasks: int = Field(32, ge=1, description="held-out tasks per evaluation (the same ones every time)")
+    eval_tasks: int = Field(64, ge=1, description="held-out tasks per evaluation (the same ones every time)")
     eval_every: int = Field(1, ge=1, description="evaluate after every this many iterations (and after the last)")
     eval_temperature: float = Field(1.0, gt=0.0, description="sampling temperature of held-out evaluation")
 
@@ -260,7 +260,7 @@ class PPOConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="ε: ratio clipped to [1−ε, 1+ε_high]")
     clip_eps_high: float | None = Field(None, gt=0.0, description="ε_high (clip-higher); default ε")
     epochs: int = Field(2, ge=1, description="passes over the batch per iteration")
-    lr: float = Field(2e-5, gt=0.0, description="policy learning rate (tiny default; ~1e-6 for LLMs)")
+    lr: float = Field(1e-4, gt=0.0, description="policy learning rate (tiny default; ~1e-6 for LLMs)")
     kl_coef: float = Field(0.0, ge=0.0, description="coefficient of the k3 KL-to-reference loss")
     entropy_coef: float = Field(0.0, ge=0.0, description="coefficient of the entropy bonus")
     loss_agg: Literal["token_mean", "constant"] = Field(

@@ -220,6 +220,8 @@ def test_default_tier_expert_solves_quick_tasks(quick):
         assert len(task.prompt) <= 300 and 1 <= f["gold"] <= len(f["candidates"]) <= cl.READER_FUNCTIONS
         reward, turns, history, info = play(quick, task, expert(quick))
         assert reward == 1.0 and info["function_hit"] and info["page_hit"] and 4 <= turns <= 20
+        bug_page = history[-2][1]  # the page submitted shows the mutated line
+        assert f"[fn {f['gold']} of {len(f['candidates'])}, page {f['gold_page']}/" in bug_page.split("\n")[-1]
         assert all(len(obs) <= 400 and not obs.startswith("Error") for _, obs in history)
         assert all(cl._READER_FOOTER.search(obs) for _, obs in history[:-1])  # every step says where it is
         assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
@@ -262,13 +264,14 @@ def test_default_tier_reader_walks_in_order_and_out_of_place_calls_are_errors(qu
     for fn in range(1, n + 1):
         observation = quick.step("next()")[0]
         assert observation.split("\n")[0] == cl._cut(f["candidates"][fn - 1], 40)
-        assert observation.endswith(f"[fn {fn} of {n}, page 1/{f['pages'][fn - 1]}]")
-        for page in range(2, f["pages"][fn - 1] + 1):
-            assert quick.step("page()")[0].endswith(f"[fn {fn} of {n}, page {page}/{f['pages'][fn - 1]}]")
+        assert observation.split("\n")[-1].startswith(f"[fn {fn} of {n}, page 1/{f['pages'][fn - 1]}")
+        for page in range(2, f["pages"][fn - 1] + 1):  # the footer may add "; raised here"
+            footer = quick.step("page()")[0].split("\n")[-1]
+            assert footer.startswith(f"[fn {fn} of {n}, page {page}/{f['pages'][fn - 1]}")
         assert quick.step("page()")[0].startswith("Error:")  # past the last page
     assert quick.step("next()")[0].startswith("Error:")  # past the last function
     assert quick.step("trace()")[0].endswith(f"[no function open; {n} listed]")  # the traceback puts it away
-    assert quick.step("next()")[0].endswith(f"[fn 1 of {n}, page 1/{f['pages'][0]}]")
+    assert quick.step("next()")[0].split("\n")[-1].startswith(f"[fn 1 of {n}, page 1/{f['pages'][0]}")
     assert quick.step("test()")[0].endswith(f"[no function open; {n} listed]")  # and so does the test
 
 
@@ -336,6 +339,7 @@ def test_default_tier_lists_what_the_test_runs_in_file_order(quick):
         for fn, pages in enumerate(f["pages"], 1):
             for page in range(1, pages + 1):
                 observation = quick.step("next()" if page == 1 else "page()")[0]
+                assert ("<- raised here" in observation) == observation.endswith("; raised here]")
                 if "<- raised here" in observation:
                     shown.append((fn, page))
         assert shown == ([tuple(f["raised"][:2])] if f["raised"] else [])

@@ -25,7 +25,8 @@ train targets. Tiers (the tools differ, see ``tools_for``):
   or "[no function open; 5 listed]"; a call that makes no sense where the reader is (``next()`` before
   ``test()`` or after the last function, ``page()`` on a last page or with no function open) is an ``Error:``
   observation. The line where the exception was raised (the traceback's innermost frame in the module) ends
-  with "<- raised here" on its page, as a debugger marks it; it is on the buggy page in about 40% of tasks.
+  with "<- raised here" on its page, as a debugger marks it, and that page's footer says "; raised here" (at
+  the end, where the tiny model attends best); it is the buggy page in about 40% of tasks.
   Reward: 1 when the function in front is the mutated one and the page in front shows the mutated line.
   The page is kept in the answer (and ``submit()`` with no function open is a wrong answer, not an error) so
   that a guess stays rare: uniformly random calls reach a listed function and submit there often enough that
@@ -207,9 +208,10 @@ READER_TOOLS = (  # one short word each
     ToolSpec("submit", "submit the function in front of you as the buggy one, pointing at this page; ends the "
              "episode", (), ()),
 )
-# Every reader observation ends with where the reader is: "[fn 2 of 5, page 1/3]" or "[no function open; 5 listed]"
-# ("[no function open]" before test()).
-_READER_FOOTER = re.compile(r"\[(?:fn (\d+) of \d+, page (\d+)/\d+|no function open(; \d+ listed)?)\]$")
+# Every reader observation ends with where the reader is: "[fn 2 of 5, page 1/3]" (with "; raised here" when the
+# page shows where the exception was raised) or "[no function open; 5 listed]" ("[no function open]" before test()).
+_READER_FOOTER = re.compile(
+    r"\[(?:fn (\d+) of \d+, page (\d+)/\d+(?:; raised here)?|no function open(; \d+ listed)?)\]$")
 
 
 @register_env("code_localization")
@@ -336,7 +338,9 @@ class CodeLocalizationEnv(ToolEnv):
     def _footer(self) -> str:
         n = len(self.task.facts["candidates"])
         if self._fn:
-            return f"[fn {self._fn} of {n}, page {self._page}/{self.task.facts['pages'][self._fn - 1]}]"
+            raised = self.task.facts["raised"]
+            here = "; raised here" if raised and raised[:2] == [self._fn, self._page] else ""
+            return f"[fn {self._fn} of {n}, page {self._page}/{self.task.facts['pages'][self._fn - 1]}{here}]"
         return f"[no function open; {n} listed]" if self._listed else "[no function open]"
 
     def _resolve(self, path: str) -> tuple[Path, str]:
@@ -639,8 +643,15 @@ def _reader_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], ti
             gold_page = None if at is None else at // page_lines + 1
     if gold_page is None or gold_page > INDEX_MAX_PAGES:
         return None
-    return {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page,
-            "raised": raised}
+    facts = {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page,
+             "raised": raised}
+    # The page must show the mutated line (and the raised line, for the mark), not lose it to the size limit.
+    gold_numbers = [number for number, _ in _reader_lines(facts, facts["gold"], gold_page)]
+    if not any(number >= record["line"] for number in gold_numbers[1:]):
+        return None
+    if raised and raised[2] not in [number for number, _ in _reader_lines(facts, raised[0], raised[1])]:
+        facts["raised"] = None
+    return facts
 
 
 @functools.lru_cache(maxsize=64)
@@ -719,12 +730,19 @@ def _reader_test(task: Task) -> str:
 def _reader_page(task: Task, fn: int, page: int) -> str:
     """A page of a listed function: its name, then up to eight code lines; the line where the exception was
     raised (the traceback's innermost frame in the module) ends with '<- raised here'."""
-    f, tier = task.facts, TIERS["default"]
+    return "\n".join(line for _, line in _reader_lines(task.facts, fn, page))
+
+
+def _reader_lines(f: dict[str, Any], fn: int, page: int) -> list[tuple[int, str]]:
+    """(line number, text) of what a page shows: the name (number 0), then the code lines that fit."""
+    tier = TIERS["default"]
     text = _mutated_text(f["pool"], f["path"], f["start"], f["end"], f["replacement"])
     lines = _function_lines(text, f["candidates"][fn - 1])[(page - 1) * tier.page_lines: page * tier.page_lines]
-    raised = f["raised"][2] if f["raised"] and f["raised"][0] == fn else None
-    shown = [_cut(line, tier.line_chars) + ("  <- raised here" if number == raised else "") for number, line in lines]
-    return "\n".join(_fit([_cut(f["candidates"][fn - 1], 40), *shown], tier.max_chars - 40))
+    raised = f["raised"][2] if f.get("raised") and f["raised"][0] == fn else None
+    shown = [(0, _cut(f["candidates"][fn - 1], 40))]
+    shown += [(number, _cut(line, tier.line_chars) + ("  <- raised here" if number == raised else ""))
+              for number, line in lines]
+    return shown[:len(_fit([line for _, line in shown], tier.max_chars - 40))]
 
 
 def _reader_submit(task: Task, fn: int, page: int) -> ToolResult:

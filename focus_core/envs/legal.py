@@ -72,8 +72,9 @@ Expert. Search for A -> read A page by page to its citation list -> read the cit
 up to the page holding the answer -> answer. In the text and hard
 tiers it works out what it has already seen from the observations; in the default tier it reads the reader's
 position off the last page's footer and makes the plan's next move from there (``open()`` to start over once
-past the answer), behind a fixed one-line thought that names no entity. Either way mistakes injected into its
-history are skipped, not repeated.
+past the answer), behind a fixed one-line thought that names no entity (kept on purpose: with bare calls instead,
+the tiny model's SFT held-out success fell from 0.375 to 0.08, answering early). Either way mistakes injected
+into its history are skipped, not repeated.
 """
 
 from __future__ import annotations
