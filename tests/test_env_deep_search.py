@@ -262,3 +262,18 @@ def test_corpus_pages_and_name_search():
         assert all(len(page) <= 1200 for page in render_pages(country, "hard"))
     answer = corpus.by_name["Ivory Coast"]
     assert normalise("Côte d'Ivoire") in answer.aliases and normalise("the Ivory Coast") in answer.aliases
+
+
+def test_default_tier_says_all_clues_met_only_on_the_answer(env):
+    """The footer's "clues met: all" is the answer's cue: on page 1 of exactly the answer among the neighbours."""
+    for task in env.tasks("heldout")[:30]:
+        env.reset(task)
+        env.step("search()")
+        env.step("open()")
+        all_met = []
+        for _ in task.facts["candidates"]:
+            page_0 = env.step("neighbour()")[0]
+            page_1 = env.step("page()")[0]
+            assert not page_0.endswith("clues met: all]")  # page 1 always holds a clue
+            all_met.append(page_1.endswith("clues met: all]"))
+        assert all_met == [name == task.answer for name in task.facts["candidates"]]
