@@ -76,11 +76,14 @@ class ToolEnv(abc.ABC):
 
     name: ClassVar[str]
     tools: ClassVar[tuple[ToolSpec, ...]]
+    tiers: ClassVar[tuple[str, ...]] = ("default",)
     max_observation_chars: int = 1200
 
     def __init__(self, tier: str = "default") -> None:
-        # Tools may differ by tier (the default tier's take small indices, see the environment modules); the
-        # instance's ``tools`` are those of the tier it was made for, and only that tier's tasks are accepted.
+        if tier not in self.tiers:
+            raise ValueError(f"{self.name} has tiers {', '.join(self.tiers)}, not {tier!r}")
+        # Tools may differ by tier (the default tier's reader takes no arguments, see the environment modules);
+        # the instance's ``tools`` are those of the tier it was made for, and only that tier's tasks are accepted.
         self.tools = self.tools_for(tier)
         self.tool_index = {spec.name: spec for spec in self.tools}
         self.task: Task | None = None

@@ -217,6 +217,7 @@ _READER_FOOTER = re.compile(
 @register_env("code_localization")
 class CodeLocalizationEnv(ToolEnv):
     tools = TEXT_TOOLS
+    tiers = tuple(TIERS)
 
     @classmethod
     def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
@@ -228,8 +229,6 @@ class CodeLocalizationEnv(ToolEnv):
         super().__init__(tier)
         self.modules = tuple(modules) if modules else None
         self._tasks: dict[tuple[str, str], list[Task]] = {}
-        if tier not in TIERS:
-            raise ValueError(f"tier must be one of {sorted(TIERS)}, got {tier!r}")
         self.tier = TIERS[tier]  # the page sizes of the current task's tier (reset sets it)
         self.root: Path | None = None
 

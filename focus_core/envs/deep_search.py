@@ -435,10 +435,9 @@ class DeepSearchEnv(ToolEnv):
 
     max_observation_chars = 1200
     tools = TEXT_TOOLS
+    tiers = tuple(TIERS)
 
     def __init__(self, tier: str = "default") -> None:
-        if tier not in TIERS:
-            raise ValueError(f"deep_search has tiers {sorted(TIERS)}, not {tier!r}")
         super().__init__(tier)
         self.tier = tier
         self._tasks: dict[str, list[Task]] = {}

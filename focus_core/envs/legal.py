@@ -603,10 +603,9 @@ class LegalEnv(ToolEnv):
     """Statute lookup with cross-references over real PRC laws (see the module docstring)."""
 
     tools = READER_TOOLS
+    tiers = tuple(TIERS)
 
     def __init__(self, tier: str = "default") -> None:
-        if tier not in TIERS:
-            raise ValueError(f"legal has tiers {', '.join(TIERS)}, not {tier!r}")
         super().__init__(tier)
         self.tier = tier
 
