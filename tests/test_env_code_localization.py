@@ -147,8 +147,7 @@ def test_full_expert_solves_heldout_and_random_fails(full):
     sample = random.Random(0).sample(heldout, 100)
     results = [play(full, task, expert(full)) for task in sample]
     assert sum(r for r, *_ in results) / len(results) >= 0.9
-    turns = sorted(n for _, n, *_ in results)
-    assert 6 <= turns[len(turns) // 2] <= 20
+    assert all(6 <= n <= 20 for _, n, *_ in results)  # every expert episode, not only the median
     for _, _, history, _ in results:
         assert all(len(obs) <= 400 for _, obs in history)
     random_wins = sum(play(full, task, random_agent(full, 100 * i + k), max_turns=20)[0]
@@ -219,7 +218,8 @@ def test_default_tier_expert_solves_quick_tasks(quick):
         f = task.facts
         assert len(task.prompt) <= 300 and 1 <= f["gold"] <= len(f["candidates"]) <= cl.READER_FUNCTIONS
         reward, turns, history, info = play(quick, task, expert(quick))
-        assert reward == 1.0 and info["function_hit"] and info["page_hit"] and 4 <= turns <= 20
+        assert reward == 1.0 and info["function_hit"] and info["page_hit"]
+        assert 6 <= turns == cl.reader_expert_turns(f) <= 20  # no task ends on the first two pages
         bug_page = history[-2][1]  # the page submitted shows the mutated line
         assert f"[fn {f['gold']} of {len(f['candidates'])}, page {f['gold_page']}/" in bug_page.split("\n")[-1]
         assert all(len(obs) <= 400 and not obs.startswith("Error") for _, obs in history)
@@ -345,6 +345,34 @@ def test_default_tier_lists_what_the_test_runs_in_file_order(quick):
         assert shown == ([tuple(f["raised"][:2])] if f["raised"] else [])
         raised += bool(f["raised"])
     assert marked and raised
+
+
+def test_default_tier_tasks_are_crash_bugs_on_the_traceback_path(quick):
+    """The default tier keeps a (mutant, test) pair only when the test errors inside the module and a frame of the
+    traceback is on the bug's page; then the page that raised is the bug's page in most tasks."""
+    tasks = quick.tasks("train") + quick.tasks("heldout")
+    on_raised_page = 0
+    for task in tasks:
+        f = task.facts
+        assert task.prompt.startswith("ERROR: "), task.prompt  # an exception, not a failed assertion
+        frames = {int(line) for line in re.findall(rf"{f['module']}\.py:(\d+) in ", "\n".join(f["trace"]))}
+        shown = {number for number, _ in cl._reader_lines(f, f["gold"], f["gold_page"])}
+        assert frames & shown or len(f["trace"]) == 8  # (the trace shows the six innermost frames only)
+        on_raised_page += f["raised"] is not None and f["raised"][:2] == [f["gold"], f["gold_page"]]
+    assert on_raised_page >= 0.8 * len(tasks)
+
+
+@pytest.mark.slow
+def test_default_tier_keeps_each_mutant_of_a_function_as_a_task(full):
+    """Each mutant of a function puts the bug on another line: the default tier counts them as tasks, up to
+    Tier.tasks_per_function per function; the text tier takes one test per function and mutant."""
+    train = full.tasks("train")
+    per_function = {}
+    for task in train:
+        per_function.setdefault(task.answer, set()).add(task.facts["start"])
+    assert max(len(starts) for starts in per_function.values()) > 1
+    assert all(sum(t.answer == answer for t in train) <= cl.TIERS["default"].tasks_per_function
+               for answer in per_function)
 
 
 def test_tier_tools_differ_and_mismatched_tasks_are_rejected(quick, quick_text):

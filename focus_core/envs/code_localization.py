@@ -5,28 +5,34 @@ The repository is a slice of the CPython 3.11.7 standard library laid out as ``l
 mutant only when a real test of the module fails; the failing test becomes the issue, and the reward names the
 mutated function.
 
-Tasks. One task per (mutated function, failing test) pair, at most ``MAX_TASKS_PER_FUNCTION`` per function.
+Tasks. One task per (mutated function, failing test) pair, at most ``Tier.tasks_per_function`` per function (the
+default tier: one per (mutant, failing test), since another mutant puts the bug on another line).
 The split is decided by the target file (``split_of("lib/<module>.py")``), so held-out modules are never
 train targets. Tiers (the tools differ, see ``tools_for``):
 
-* ``default`` (the tiny from-scratch CPU model): a reader with argument-free tools, one short word each, because
-  that model learns tool names and the order of steps in a few minutes of SFT but not to write the right
+* ``default`` (the tiny from-scratch CPU model): crash bugs, read with argument-free tools, one short word each,
+  because that model learns tool names and the order of steps in a few minutes of SFT but not to write the right
   digits, paths or names (measured with the previous small-integer tools ``open(fn, page)`` /
   ``submit(fn, page)``: it always wrote the most frequent function and page, 0.06-0.16 held-out). The reader's
   position is kept in the environment and is a function of the calls so far (a branch replays them,
   ``SegmentStart.calls``). ``test()`` shows the failing test and lists the functions it runs - those it calls
   by a name that resolves to one function of the module, then what they call, two levels deep, at most
-  ``READER_FUNCTIONS``, in file order (the buggy one is among the called ones; listing its callees and sorting
-  by file keeps its place in the list from telling) - and puts any function away; ``trace()`` shows the
-  traceback (innermost frame last; frames of listed functions marked '(fn k)') and puts any function away;
-  ``next()`` opens the next listed function at page 1; ``page()`` shows the next page (eight code lines;
-  docstring, blank and comment lines left out; at most three pages); ``submit()`` submits the function and
-  page in front and ends the episode. Every observation ends with where the reader is, "[fn 2 of 5, page 1/3]"
-  or "[no function open; 5 listed]"; a call that makes no sense where the reader is (``next()`` before
-  ``test()`` or after the last function, ``page()`` on a last page or with no function open) is an ``Error:``
-  observation. The line where the exception was raised (the traceback's innermost frame in the module) ends
-  with "<- raised here" on its page, as a debugger marks it, and that page's footer says "; raised here" (at
-  the end, where the tiny model attends best); it is the buggy page in about 40% of tasks.
+  ``READER_FUNCTIONS``, in file order (sorting by file keeps the buggy one's place in the list from telling) -
+  and puts any function away; ``trace()`` shows the traceback (innermost frame last; frames of listed functions
+  marked '(fn k)') and puts any function away; ``next()`` opens the next listed function at page 1; ``page()``
+  shows the next page (eight code lines; docstring, blank and comment lines left out; at most three pages);
+  ``submit()`` submits the function and page in front and ends the episode. Every observation ends with where
+  the reader is, "[fn 2 of 5, page 1/3]" or "[no function open; 5 listed]"; a call that makes no sense where
+  the reader is (``next()`` before ``test()`` or after the last function, ``page()`` on a last page or with no
+  function open) is an ``Error:`` observation. The line where the exception was raised (the traceback's
+  innermost frame in the module) ends with "<- raised here" on its page, as a debugger marks it.
+  Which tasks: the failing test errors inside the module (an exception, not a failed assertion) and the
+  traceback passes through the page with the bug (a frame's line is on it); the buggy function is one the reader
+  lists. In ~90% of them the bug is on the page that raised. A failed assertion leaves no trace in the module:
+  which page computes a wrong value is beyond the tiny model (with them in the mix, SFT reached 0.09 held-out
+  and submitted early), so those stay in the ``text`` and ``hard`` tiers. Tasks whose expert episode would be
+  shorter than ``READER_TURNS`` (6 turns: the bug on page 1 or 2 of the first function, about half of the pairs)
+  are not made, so episodes are long enough for segments and submitting at once is never right.
   Reward: 1 when the function in front is the mutated one and the page in front shows the mutated line.
   The page is kept in the answer (and ``submit()`` with no function open is a wrong answer, not an error) so
   that a guess stays rare: uniformly random calls reach a listed function and submit there often enough that
@@ -34,8 +40,7 @@ train targets. Tiers (the tools differ, see ``tools_for``):
   answer would only give it more tries. The expert's plan is fixed: test(), trace(), then next() / page()
   through the functions in order until the page with the bug is in front, then submit(); a stray move past
   that page starts over with test(). Its thoughts are fixed phrases naming nothing. The one decision is which
-  page holds the bug (when to stop and submit); a content-blind policy that always submits at the first page
-  of function 1 is right in ~0.27 of tasks. Expert episodes take 4-15 turns (median 6).
+  page holds the bug (when to stop and submit). Expert episodes take 6-20 turns (median 9 on train, 7 held-out).
 * ``text`` (real models, e.g. SmolLM2): free-text tools over a private copy of the repository, ``ls``, ``grep``,
   ``open``, ``search`` and ``submit(location="lib/textwrap.py::TextWrapper._wrap_chunks")`` (the file-level hit
   is reported in ``info``). The issue is the failing test's name and class plus its exception line; pages are
@@ -77,10 +82,9 @@ from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult,
 
 HELDOUT_FRACTION = 0.2
 SPLIT_SALT = "code_localization-v1"
-MAX_TASKS_PER_FUNCTION = 6
 MAX_PATH_CHARS = 200
 # Part of every task id: bump it when the tasks a tier generates change, so no cache keyed by task id is stale.
-TASK_VERSION = "3"
+TASK_VERSION = "4"
 
 
 @dataclass(frozen=True)
@@ -91,19 +95,25 @@ class Tier:
     search_k: int
     max_chars: int
     test_pages: int  # pages of the failing test the expert reads (text: the call must be on one of them)
+    tasks_per_function: int = 6  # the most tasks with the same answer (the default tier counts each mutant)
 
 
 TIERS = {  # the default tier: page_lines code lines a page, line_chars, max_chars
-    "default": Tier(page_lines=8, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1),
+    "default": Tier(page_lines=8, line_chars=56, grep_hits=0, search_k=0, max_chars=400, test_pages=1,
+                    tasks_per_function=15),
     "text": Tier(page_lines=8, line_chars=52, grep_hits=5, search_k=3, max_chars=350, test_pages=3),
     "hard": Tier(page_lines=40, line_chars=110, grep_hits=20, search_k=8, max_chars=4000, test_pages=1),
 }
 SCOPE = {"default": "named", "text": "named", "hard": "all"}  # the mutants a tier draws from (code_mutations.SCOPES)
 INSTRUCTION = 'Find the buggy function. End with submit(location="path::qualname").'
 INDEX_INSTRUCTION = "Find the bug: read the test, then its functions page by page. Submit the page with the bug."
-INDEX_CANDIDATES = 4  # the most functions of the module the default tier's failing test may call by name
-READER_FUNCTIONS = 6  # the most functions test() lists: those the test calls, then what they call (two levels)
+INDEX_CANDIDATES = 6  # the most functions of the module the default tier's failing test may call by name
+READER_FUNCTIONS = 8  # the most functions test() lists: those the test calls, then what they call (two levels)
 INDEX_MAX_PAGES = 3  # pages of a function the default tier shows; the mutated line must be on one of them
+# The default tier's expert episodes: test(), trace(), next(), a page() or next() per page before the bug, submit().
+# A task whose bug the reader reaches sooner (page 1 or 2 of the first function) is not made: the episode would be
+# too short to have segments, and a policy that submits at once would be right too often.
+READER_TURNS = (6, 20)
 
 
 # -- the repository: files, entity spans, BM25 over functions ---------------------------------------------------
@@ -255,20 +265,23 @@ class CodeLocalizationEnv(ToolEnv):
             used: set[tuple[str, str]] = set()
             per_function: dict[str, int] = {}
             for record in records[module]:
-                if per_function.get(record["qualname"], 0) >= MAX_TASKS_PER_FUNCTION:
+                if per_function.get(record["qualname"], 0) >= TIERS[tier].tasks_per_function:
                     continue
                 failures = record["failures"]
                 if tier == "hard":  # prefer a test that does not call the function by name: a harder issue
                     name = _call_name(record["qualname"])
                     failures = sorted(failures, key=lambda f, n=name: any(c == n for c, _ in f["calls"] or ()))
                 for failure in failures:
-                    if (record["qualname"], failure["test_id"]) in used:
+                    # The default tier keeps each (function, test) once per mutant: another mutant puts the bug on
+                    # another line, which is another task for a reader.
+                    seen = (record["qualname"], failure["test_id"]) + ((record["start"],) if tier == "default" else ())
+                    if seen in used or per_function.get(record["qualname"], 0) >= TIERS[tier].tasks_per_function:
                         continue
                     plan = _reader_plan if tier == "default" else _plan
                     facts, prompt = plan(repo, record, failure, tier), _issue(record, failure, tier)
                     if facts is None or any(secret in prompt for secret in _host_paths()):
                         continue
-                    used.add((record["qualname"], failure["test_id"]))
+                    used.add(seen)
                     per_function[record["qualname"]] = per_function.get(record["qualname"], 0) + 1
                     key = f"{record['path']}::{record['qualname']}"
                     tasks.append(Task(
@@ -594,18 +607,18 @@ def _reader_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], ti
     one function of the module, then what they call, two levels deep, at most READER_FUNCTIONS, in file order),
     their page counts, the buggy one's number and the page of its mutated line, and the page where the exception
     was raised (the innermost frame in the module, when it is in a listed function). None when the test calls
-    more than INDEX_CANDIDATES functions by name, does not call the buggy one by a name that resolves to it
-    alone, or the mutated line is past the pages shown."""
+    no function or more than INDEX_CANDIDATES functions by a name that resolves to one, the buggy one is not
+    listed, the mutated line is past the pages shown, the expert's episode would not take READER_TURNS, or the
+    bug is not a crash on the traceback's path (see the module docstring)."""
     module, (test_class, test_method) = record["module"], failure["test_id"].split(".")[-2:]
     test_file = f"tests/test_{module}.py"
     defs = _grep_lines(repo.files[test_file], f"def {test_method}(")
     pristine = repo.files[record["path"]]
     by_name = _call_names(pristine)
-    # A name several classes define (a method name) cannot be resolved from the test: it is left out, and a task
-    # whose buggy function is called by such a name is not made.
+    # A name several classes define (a method name) cannot be resolved from the test: it is left out.
     calls = [(name, line) for name, line in failure["calls"] or () if len(by_name.get(name, ())) == 1]
     called = list(dict.fromkeys(by_name[name][0] for name, _ in calls))
-    if len(defs) != 1 or record["qualname"] not in called or len(called) > INDEX_CANDIDATES:
+    if len(defs) != 1 or not called or len(called) > INDEX_CANDIDATES:
         return None
     text = _mutated_text(",".join(repo.modules), record["path"], record["start"], record["end"], record["replacement"])
     runs, frontier, callees = list(called), list(called), _callees(pristine)
@@ -615,6 +628,8 @@ def _reader_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], ti
         for q in dict.fromkeys(frontier):
             if len(runs) < READER_FUNCTIONS and _function_lines(text, q):
                 runs.append(q)
+    if record["qualname"] not in runs:  # the buggy function must be one the reader lists
+        return None
     order = _def_order(pristine)
     candidates = sorted(runs, key=order.__getitem__)
     facts = {"pool": ",".join(repo.modules), "module": module, "path": record["path"], "qualname": record["qualname"],
@@ -644,13 +659,25 @@ def _reader_plan(repo: Repo, record: dict[str, Any], failure: dict[str, Any], ti
         return None
     facts = {**facts, "pages": pages, "gold": candidates.index(record["qualname"]) + 1, "gold_page": gold_page,
              "raised": raised}
+    if not READER_TURNS[0] <= reader_expert_turns(facts) <= READER_TURNS[1]:
+        return None
     # The page must show the mutated line (and the raised line, for the mark), not lose it to the size limit.
     gold_numbers = [number for number, _ in _reader_lines(facts, facts["gold"], gold_page)]
     if not any(number >= record["line"] for number in gold_numbers[1:]):
         return None
+    # A crash bug: the test errors inside the module and the traceback passes through the bug's page. A failed
+    # assertion leaves no trace in the module, and which page holds a wrong value is beyond the tiny model.
+    if failure["kind"] != "ERROR" or not {int(line) for line in frames} & set(gold_numbers[1:]):
+        return None
     if raised and raised[2] not in [number for number, _ in _reader_lines(facts, raised[0], raised[1])]:
         facts["raised"] = None
     return facts
+
+
+def reader_expert_turns(facts: dict[str, Any]) -> int:
+    """The turns of the default tier's expert episode: test(), trace(), one call per page up to the bug's page
+    (next() opens a function at page 1, page() turns), submit()."""
+    return 3 + sum(facts["pages"][: facts["gold"] - 1]) + facts["gold_page"]
 
 
 @functools.lru_cache(maxsize=64)

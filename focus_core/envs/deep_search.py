@@ -516,7 +516,11 @@ class DeepSearchEnv(ToolEnv):
         # "all" is one token right before the policy's turn: the cue a tiny model picks up first. Pages confirm a
         # clue only once read, so "all" appears on page 1 of the answer, and never on a sheet that fails a clue.
         tally = "all" if met == len(clues) else f"{met} of {len(clues)}"
-        return ToolResult(f"{body} [{sheet.name}: {where}, page {self._page}/{len(pages) - 1}; clues met: {tally}]")
+        # The footer has a line of its own, as in the other readers. After a space instead, SFT held-out success
+        # was 0.14-0.23 in five runs; on its own line 0.52 (240 s of SFT, 64 episodes each). The footer's tokens
+        # are the same either way (" [" is one token, "\n" another); why the newline helps a 2-layer model this
+        # much is not known.
+        return ToolResult(f"{body}\n[{sheet.name}: {where}, page {self._page}/{len(pages) - 1}; clues met: {tally}]")
 
     def _constraints(self) -> list[Constraint]:
         return [Constraint(kind, value) for kind, value in self.task.facts["constraints"]]
