@@ -262,7 +262,7 @@ class CodeLocalizationEnv(ToolEnv):
         records, repo, tasks = cm.load_records(pool, SCOPE[tier]), _repo(pool), []
         for module in pool:
             split = split_of(f"lib/{module}.py", HELDOUT_FRACTION, salt=SPLIT_SALT)
-            used: set[tuple[str, str]] = set()
+            used: set[tuple[str | int, ...]] = set()  # (function, test), plus the mutant at the default tier
             per_function: dict[str, int] = {}
             for record in records[module]:
                 if per_function.get(record["qualname"], 0) >= TIERS[tier].tasks_per_function:
