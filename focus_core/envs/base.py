@@ -25,6 +25,7 @@ upper bound of the benchmark and the source of SFT demonstrations.
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -153,6 +154,19 @@ class ToolEnv(abc.ABC):
 
 class ToolFailure(Exception):
     """A tool could not do what was asked (no such document, path outside the sandbox, ...)."""
+
+
+def ran_without_error(history: list[tuple[str, str]], name: str, tools: tuple[ToolSpec, ...]) -> bool:
+    """Whether ``history`` holds a well-formed call of tool ``name`` whose observation is not an error: how a
+    reader's expert tells that search() ran before any page shows where the reader is."""
+    return any(_called_tool(action, tools) == name and not observation.startswith("Error")
+               for action, observation in history)
+
+
+@functools.lru_cache(maxsize=65536)
+def _called_tool(action: str, tools: tuple[ToolSpec, ...]) -> str | None:
+    call = parse_tool_call(action, {spec.name: spec for spec in tools})
+    return call.name if isinstance(call, ToolCall) else None
 
 
 def _clip(text: str, limit: int) -> str:

@@ -59,7 +59,16 @@ from typing import Any
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec, parse_tool_call
-from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
+from focus_core.envs.base import (
+    Task,
+    ToolEnv,
+    ToolFailure,
+    ToolResult,
+    ran_without_error,
+    register_env,
+    split_of,
+    task_id,
+)
 
 DATA_PACKAGE = "countryinfo==1.0.1"
 # sha256 over the ASCII-named data/*.json files (name, NUL, sha256 of content), sorted by name. Non-ASCII names
@@ -683,8 +692,7 @@ class DeepSearchEnv(ToolEnv):
         corpus, facts = world(), task.facts
         positions = [m for _, obs in history if (m := _CURSOR_FOOTER.search(obs))]
         if not positions:
-            searched = any(_cursor_call(action) == "search" and not obs.startswith("Error") for action, obs in history)
-            return "open()" if searched else "search()"
+            return "open()" if ran_without_error(history, "search", CURSOR_TOOLS) else "search()"
         neighbour, page = int(positions[-1].group(1) or 0), int(positions[-1].group(2))
         if neighbour == 0:
             return "neighbour()"
@@ -695,8 +703,3 @@ class DeepSearchEnv(ToolEnv):
         c = corpus.by_name[facts["candidates"][neighbour - 1]]
         return "answer()" if all(Constraint(k, v).holds(c) for k, v in facts["constraints"]) else "neighbour()"
 
-
-@functools.lru_cache(maxsize=65536)
-def _cursor_call(action: str) -> str | None:
-    call = parse_tool_call(action, {spec.name: spec for spec in CURSOR_TOOLS})
-    return call.name if isinstance(call, ToolCall) else None

