@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -25,11 +26,20 @@ pytestmark = pytest.mark.slow
 
 
 def api(base: str, path: str, body: dict | None = None) -> dict:
+    """One REST call, retried on 503 as Prefect's own client does: a busy server on 2 shared cores answers
+    503 when its SQLite database stays locked (seen once in a fresh-clone CI run on create_flow_run)."""
     request = urllib.request.Request(f"{base}{path}", data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"},
                                      method="GET" if body is None else "POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or attempt == 4:
+                raise
+            time.sleep(2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def wait_for(check, timeout: float, what: str):
