@@ -1,6 +1,7 @@
 """The `focus` command line.
 
-    focus train [--config PATH] [--set a.b=c ...] [--store ROOT] [--run-id ID]   train (the Prefect flow)
+    focus train [--config PATH] [--set a.b=c ...] [--init RUN_ID] [--store ROOT] [--run-id ID]
+                                                                         train (the Prefect flow)
     focus resume RUN_ID [--store ROOT]                                   continue a run from its last commit
     focus runs [--store ROOT]                                            runs with status, progress, overhead
     focus sql RUN_ID [NAME | --query SQL] [--store ROOT]                 DuckDB over a run's tables
@@ -95,9 +96,19 @@ def _train(args: argparse.Namespace) -> int:
         print(f"focus train: run {args.run_id!r} already exists under {store.root}; continue it with "
               f"`focus resume {args.run_id}` or choose another --run-id", file=sys.stderr)
         return 2
+    if args.init:
+        from tasks.bootstrap import STAGE, source_of
+
+        source_store, source_run = source_of(args.init, store)
+        if source_store.manifest(source_run, 0, STAGE) is None:
+            print(f"focus train: --init {args.init}: no committed bootstrap of run {source_run!r} under "
+                  f"{source_store.root} (fix: `focus runs` lists the runs; the run must be past its bootstrap)",
+                  file=sys.stderr)
+            return 2
     from flows.train import train
 
-    run_id = train(config_path=args.config, overrides=args.set, run_id=args.run_id, store=store.root)
+    overrides = list(args.set) + ([f"bootstrap.init_from={args.init}"] if args.init else [])
+    run_id = train(config_path=args.config, overrides=overrides, run_id=args.run_id, store=store.root)
     print(f"run {run_id} finished. Inspect it: focus sql {run_id} reward_trend; focus runs; mlflow ui "
           f"--backend-store-uri sqlite:///mlruns.db")
     return 0
@@ -181,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML config (default: built-in defaults; see configs/)")
     train.add_argument("--set", action="append", default=[], metavar="A.B=C", help="override a config field")
     train.add_argument("--run-id", help="run id (default: METHOD-TIME-HASH)")
+    train.add_argument("--init", metavar="RUN_ID", help="start from that run's committed bootstrap (same weights "
+                       "and B_tok; a run id in --store, or a run URL): how methods are compared")
     _store_option(train)
     train.set_defaults(run=_train)
 

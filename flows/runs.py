@@ -1,4 +1,5 @@
-"""`focus runs`: one line per run under a store root — how far it got, how well it does, where time went.
+"""`focus runs`: one line per run under a store root — how far it got, how well it does, what it spent
+(generated tokens / B_tok per iteration, min–max) and where time went.
 
 Everything comes from the store itself (``_run.json`` and the committed manifests), so the table is
 right for runs started on other machines, killed runs, and runs that never reached MLflow.
@@ -19,8 +20,8 @@ from typing import Any
 from flows.sql import format_table
 from focus_core.artifacts import COMPUTE_TIMING, ArtifactStore, Manifest, RunSummary
 
-COLUMNS = ["run", "status", "method", "iterations", "last_committed", "heldout_success", "compute_s", "overhead_s",
-           "overhead_share"]
+COLUMNS = ["run", "status", "method", "iterations", "last_committed", "heldout_success", "spend/B_tok", "compute_s",
+           "overhead_s", "overhead_share"]
 
 
 def runs_report(store: ArtifactStore) -> str:
@@ -45,6 +46,7 @@ def _row(summary: RunSummary, committed: list[tuple[int, str, Manifest]]) -> lis
         f"{done}/{planned}" if planned else str(done),
         last,
         _latest_heldout_success(committed),
+        _spend_share(committed),
         round(summary.compute_s, 1),
         round(summary.overhead_s, 1),
         "-" if share is None else f"{share:.0%}",
@@ -57,6 +59,22 @@ def _latest_heldout_success(committed: list[tuple[int, str, Manifest]]) -> float
         return None
     value = max(evaluations, key=lambda manifest: manifest.iteration).figures.get("heldout_success")
     return float(value) if isinstance(value, int | float) else None
+
+
+def _spend_share(committed: list[tuple[int, str, Manifest]]) -> str:
+    """Generated tokens / B_tok per iteration (rollout plus branch stages), as 'min–max%' over iterations."""
+    spent: dict[int, float] = {}
+    budget: dict[int, float] = {}
+    for iteration, stage, manifest in committed:
+        if stage == "rollout" or (stage.startswith("branch_r") and not manifest.skipped):
+            spent[iteration] = spent.get(iteration, 0.0) + float(manifest.figures.get("tokens", 0.0))
+        if stage == "rollout" and manifest.figures.get("budget"):
+            budget[iteration] = float(manifest.figures["budget"])
+    shares = [spent[i] / budget[i] for i in budget]
+    if not shares:
+        return "-"
+    low, high = min(shares), max(shares)
+    return f"{low:.0%}" if round(low, 2) == round(high, 2) else f"{low:.0%}–{high:.0%}"
 
 
 def _overhead_share(summary: RunSummary, committed: list[tuple[int, str, Manifest]]) -> float | None:

@@ -13,7 +13,8 @@ is not logged twice.
 Metrics of iteration i, all at step i:
 
 * ``{stage}.{figure}`` for every numeric manifest figure, ``time.{stage}_s`` for each stage's compute;
-* ``tokens.{main,branch,summary,total}`` from the iteration's ``budget_ledger`` tables;
+* ``tokens.{main,branch,summary,total}`` from the iteration's ``budget_ledger`` tables, ``tokens.budget``
+  (B_tok) and ``tokens.spend_share`` (total / B_tok: 0.9-1.0 for every method);
 * ``critic.mc_mae`` and ``critic.rank_accuracy`` (per round too: ``..._r{r}``): out-of-sample critic
   error. The acquisition table of round r holds the critic's predictions made *before* round r's
   branches were sampled, so comparing them with the Monte-Carlo means of ``branch_r{r}`` at the same
@@ -188,7 +189,11 @@ class Tracker:
             for row in [] if ledger is None else ledger.select(["kind", "tokens"]).to_pylist():
                 key = f"tokens.{row['kind']}"
                 spent[key] = spent.get(key, 0.0) + row["tokens"]
-        return {**spent, "tokens.total": sum(spent.values())} if spent else {}
+        if not spent:
+            return {}
+        total = sum(spent.values())
+        return {**spent, "tokens.total": total, "tokens.budget": float(self.ctx.budget),
+                "tokens.spend_share": total / self.ctx.budget}
 
     def _critic_metrics(self, stages: Mapping[str, Manifest]) -> dict[str, float]:
         metrics: dict[str, float] = {}

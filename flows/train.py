@@ -27,7 +27,7 @@ from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import FocusConfig, config_to_dict, load_config, validate_config
 from tasks.acquire import acquire
 from tasks.advantage import advantage
-from tasks.bootstrap import bootstrap
+from tasks.bootstrap import bootstrap, budget_tokens
 from tasks.branch import branch
 from tasks.evaluate import evaluate
 from tasks.fit_critic import fit_critic
@@ -51,9 +51,12 @@ def new_run_id(cfg: FocusConfig) -> str:
     return f"{cfg.method}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{digest}"
 
 
-def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest,
-                  critic: Manifest | None) -> tuple[dict[str, Manifest], Manifest | None]:
-    """One iteration's stages; returns their manifests by stage name and the critic to use next."""
+def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest, critic: Manifest | None,
+                  history: list[Manifest]) -> tuple[dict[str, Manifest], Manifest | None]:
+    """One iteration's stages; returns their manifests by stage name and the critic to use next.
+
+    ``history`` holds the last fit_critic manifest of every earlier iteration (the critic's replay).
+    """
     cfg = ctx.config
     stages: dict[str, Manifest] = {}
     if i % cfg.env.eval_every == 0:
@@ -61,18 +64,21 @@ def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest
     stages["rollout"] = main = rollout(ctx, i, policy)
     stages["segment"] = seg = segment(ctx, i, main, policy)
     charged, branches, values = [main], [], None
+    replay = history[-cfg.critic.replay_iterations:] if cfg.critic and cfg.critic.replay_iterations else []
     rounds = cfg.acquisition.rounds if cfg.acquisition is not None else 1
     for r in range(rounds):
-        stages[f"acquire_r{r}"] = plan = acquire(ctx, i, r, seg, critic, list(charged))
+        stages[f"acquire_r{r}"] = plan = acquire(ctx, i, r, seg, main, critic, list(charged))
         stages[f"branch_r{r}"] = grown = branch(ctx, i, r, plan, main, policy, list(charged))
         charged.append(grown)
         branches.append(grown)
-        stages[f"fit_critic_r{r}"] = fit = fit_critic(ctx, i, r, seg, list(branches))
+        stages[f"fit_critic_r{r}"] = fit = fit_critic(ctx, i, r, seg, main, list(branches), list(replay))
         if not fit.skipped:
             values = fit
             if CRITIC_FOLDER in fit.files:
                 critic = fit
-    stages["advantage"] = adv = advantage(ctx, i, seg, values, main)
+    if values is not None:
+        history.append(values)
+    stages["advantage"] = adv = advantage(ctx, i, seg, values, main, policy)
     stages["update"] = update(ctx, i, main, adv, policy, reference)
     return stages, critic
 
@@ -105,12 +111,18 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, ru
     try:
         started = time.perf_counter()
         reference = policy = bootstrap(ctx)
+        ctx = ctx.with_budget(budget_tokens(cfg, policy))
+        tracker.ctx = ctx
         tracker.log_stage(0, "bootstrap", policy)
-        critic = None
+        log.info("run %s: B_tok = %d generated tokens per iteration (%s)", run_id, ctx.budget,
+                 "budget.tokens_per_iteration" if cfg.budget.tokens_per_iteration else
+                 f"measured: {policy.figures['mean_episode_tokens']:.1f} per episode × P "
+                 f"{cfg.budget.prompts_per_iteration} × G_grpo {cfg.budget.group_size_grpo}")
+        critic, history = None, []
         walls = dict(info.get("iteration_wall_s", {})) if info else {}
         for i in range(cfg.iterations):
             iteration_started = time.perf_counter()
-            stages, critic = run_iteration(ctx, i, policy, reference, critic)
+            stages, critic = run_iteration(ctx, i, policy, reference, critic, history)
             policy = stages["update"]
             walls[str(i)] = walls.get(str(i), 0.0) + time.perf_counter() - iteration_started
             artifacts.write_run_info(run_id, {"iteration_wall_s": walls})

@@ -15,13 +15,16 @@ Settings (chunk size, cap, ε share, VinePPO's K, jitter) come from ``Acquisitio
 
 The strategies (method.md §7, §9.4):
 
-  uniform_all     VinePPO: K continuations per state, states in random order, until the budget ends
+  uniform_all     VinePPO: K continuations per state, states in random order, until the budget ends (the
+                  last ones get what the budget still pays)
   uniform_random  chunks to uniformly random states
   ensemble_std    chunks to the states the ensemble disagrees on most (query by committee)
   eer_diag        greedy expected error reduction per token, each state on its own (T7)
   ivr_greedy      greedy integrated variance reduction per token over the ensemble covariance (T9);
                   the FOCUS default
   neyman          stratified-sampling allocation n_s ∝ sqrt(W_s v_a(s) / c_s)
+  entropy         ARPO/AEPO-style: chunks to the states where the policy's next-action entropy is highest
+                  (from the rollouts' own log-probs), in passes; needs no critic
   oracle          greedy reduction of the *true* squared error of the value used for advantages
                   (needs the exact values; benchmarks only)
 
@@ -39,6 +42,7 @@ import numpy as np
 
 from focus_core.config import AcquisitionConfig
 
+CRITIC_FREE_STRATEGIES = ("uniform_all", "uniform_random", "entropy")  # run without a fitted critic
 VALUE_CLIP = (0.05, 0.95)  # v_a = μ(1−μ) is computed on μ clipped here, so no state looks noise-free
 
 
@@ -50,7 +54,11 @@ class Candidates:
     cost:               [S] estimated generated tokens of one continuation from the state.
     weight:             [S] how much the state's value error matters: the advantage sensitivity
                         W_k of its segment index (method.md §5.3) times how often it occurs.
-    already:            [S] continuations the state already got in earlier rounds (for the cap).
+    already:            [S] returns the state already has: own returns of its main episodes and earlier
+                        rounds' continuations (the cap counts them; eer_diag and neyman start from them).
+    unseen:             [S] of those, the returns the critic was not fitted on (a critic of an earlier
+                        iteration has seen none of this iteration's): ivr_greedy conditions on them first.
+    entropy:            [S] the policy's next-action entropy at the state (``entropy`` strategy).
     true_value:         [S] exact V^π(s), only for the ``oracle`` strategy in benchmarks.
     """
 
@@ -58,6 +66,8 @@ class Candidates:
     cost: np.ndarray
     weight: np.ndarray
     already: np.ndarray | None = None
+    unseen: np.ndarray | None = None
+    entropy: np.ndarray | None = None
     true_value: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -65,7 +75,7 @@ class Candidates:
         if m.ndim != 2 or m.shape[0] < 2:
             raise ValueError(f"member_predictions must be [members >= 2, states], got shape {m.shape}")
         s = m.shape[1]
-        for name in ("cost", "weight", "already", "true_value"):
+        for name in ("cost", "weight", "already", "unseen", "entropy", "true_value"):
             value = getattr(self, name)
             if value is not None and np.shape(value) != (s,):
                 raise ValueError(f"Candidates.{name} must have one entry per state ({s}), got {np.shape(value)}")
@@ -211,6 +221,20 @@ def _greedy(candidates: Candidates, request: Request, allocation: Allocation,
         on_pick(state)
 
 
+def _chunks_in_passes(candidates: Candidates, request: Request, allocation: Allocation, order: np.ndarray,
+                      reason: str) -> None:
+    """One chunk per open state in ``order``, pass after pass, until no state can take one."""
+    budget = _Budget(candidates, request, allocation, request.budget_tokens)
+    while True:
+        progressed = False
+        for state in order:
+            if budget.open_states()[state]:
+                allocation.give(int(state), request.config.chunk_size, budget.cost[state], reason)
+                progressed = True
+        if not progressed:
+            return
+
+
 def _eps_share(candidates: Candidates, request: Request, allocation: Allocation) -> None:
     rng = np.random.default_rng(request.seed)
     share = request.config.eps_uniform * request.budget_tokens
@@ -224,15 +248,19 @@ def _eps_share(candidates: Candidates, request: Request, allocation: Allocation)
 
 @register_strategy("uniform_all")
 def uniform_all(candidates: Candidates, request: Request) -> Allocation:
-    """VinePPO: ``vine_k`` continuations for each state, in random order, while the budget lasts."""
+    """VinePPO: ``vine_k`` continuations for each state, in random order, while the budget lasts.
+
+    Where the budget cannot pay a state's K, the state gets as many as it can pay (VinePPO has no budget;
+    a matched budget must not be left unspent because K continuations are a coarse unit)."""
     allocation = _empty(candidates.n_states)
     rng = np.random.default_rng(request.seed)
     left = request.budget_tokens
     for state in rng.permutation(candidates.n_states):
-        cost = request.config.vine_k * float(candidates.cost[state])
-        if cost <= left + 1e-9:
-            allocation.give(int(state), request.config.vine_k, float(candidates.cost[state]), "uniform_all")
-            left -= cost
+        cost = float(candidates.cost[state])
+        n = min(request.config.vine_k, int((left + 1e-9) // cost))
+        if n >= 1:
+            allocation.give(int(state), n, cost, "uniform_all")
+            left -= n * cost
     return allocation
 
 
@@ -251,16 +279,8 @@ def ensemble_std(candidates: Candidates, request: Request) -> Allocation:
     std = np.sqrt(candidates.variance)
     allocation.score[:] = std
     _eps_share(candidates, request, allocation)
-    budget = _Budget(candidates, request, allocation, request.budget_tokens)
-    order = np.argsort(-std, kind="stable")
-    while True:
-        progressed = False
-        for state in order:
-            if budget.open_states()[state]:
-                allocation.give(int(state), request.config.chunk_size, budget.cost[state], "ensemble_std")
-                progressed = True
-        if not progressed:
-            return allocation
+    _chunks_in_passes(candidates, request, allocation, np.argsort(-std, kind="stable"), "ensemble_std")
+    return allocation
 
 
 def expected_error_reduction(prior_var: np.ndarray, outcome_var: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -277,7 +297,7 @@ def eer_diag(candidates: Candidates, request: Request) -> Allocation:
     per_token = candidates.weight / (k * np.asarray(candidates.cost, dtype=np.float64))
 
     def gain_per_token() -> np.ndarray:
-        n = allocation.counts.astype(np.float64)
+        n = allocation.counts + candidates.already_counts.astype(np.float64)
         gain = expected_error_reduction(prior_var, outcome_var, n + k) - expected_error_reduction(
             prior_var, outcome_var, n
         )
@@ -357,8 +377,8 @@ class IntegratedVariance:
         self.picked_states.append(state)
         self.n_latent = n + 1
 
-    def condition(self, state: int) -> None:
-        """Condition Σ on one chunk of continuations at ``state``."""
+    def condition(self, state: int, noise: float | None = None) -> None:
+        """Condition Σ on one chunk of continuations at ``state`` (or on an observation of variance ``noise``)."""
         if self.latent_of[state] < 0:
             self._add_latent(state)
         g_row = np.zeros(self.n_latent)
@@ -366,7 +386,7 @@ class IntegratedVariance:
         g_row[self.latent_of[state]] = np.sqrt(self.tau2)
         c_latent = self.latent_cov @ g_row
         column = self._apply_g(c_latent)  # Σ[:, state]
-        denominator = column[state] + self.noise[state]
+        denominator = column[state] + (self.noise[state] if noise is None else noise)
         sigma_w_column = self._sigma_times(self.w * column)
         w_column_sq = float(np.dot(self.w, column * column))
         self.sq_norm += (-2.0 * column * sigma_w_column + column**2 * w_column_sq / denominator) / denominator
@@ -383,6 +403,9 @@ def ivr_greedy(candidates: Candidates, request: Request) -> Allocation:
     k = request.config.chunk_size
     ivr = IntegratedVariance(candidates.member_predictions, candidates.weight,
                              candidates.outcome_variance / k, request.config.jitter)
+    if candidates.unseen is not None:  # returns the critic has not been fitted on are known: condition first
+        for state in np.flatnonzero(np.asarray(candidates.unseen) > 0):
+            ivr.condition(int(state), noise=candidates.outcome_variance[state] / candidates.unseen[state])
     allocation.score[:] = ivr.gains() / (k * cost)
     _eps_share(candidates, request, allocation)
     for state in allocation.picks:  # what the ε share will observe is known: condition on it
@@ -423,6 +446,20 @@ def neyman(candidates: Candidates, request: Request) -> Allocation:
     for state in np.argsort(-(ideal / k - chunks), kind="stable"):
         if budget.open_states()[state]:
             allocation.give(int(state), k, cost[state], "neyman")
+    return allocation
+
+
+@register_strategy("entropy")
+def entropy(candidates: Candidates, request: Request) -> Allocation:
+    """One chunk per state in order of decreasing next-action entropy (ties broken at random), in passes
+    until the budget ends: branch where the policy is least decided (ARPO/AEPO), whatever the critic says."""
+    if candidates.entropy is None:
+        raise ValueError("the entropy strategy needs Candidates.entropy (the policy's next-action entropy per state)")
+    allocation = _empty(candidates.n_states)
+    score = np.asarray(candidates.entropy, dtype=np.float64)
+    allocation.score[:] = score
+    tie_break = np.random.default_rng(request.seed).random(candidates.n_states)
+    _chunks_in_passes(candidates, request, allocation, np.lexsort((tie_break, -score)), "entropy")
     return allocation
 
 

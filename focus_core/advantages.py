@@ -1,4 +1,4 @@
-"""Advantage estimators: pure functions, one registry.
+"""Advantage estimators: pure functions, and one registry with one signature that the pipeline dispatches on.
 
 Every estimator comes in two forms that must agree exactly (tests/test_advantages.py checks this
 on random ragged batches):
@@ -13,6 +13,11 @@ Batch forms accept numpy arrays or torch tensors and return the same kind. The r
 backwards from each trajectory's end in ``max(lengths)`` vector steps, touching every segment once
 (no padding), which is what makes 1M segments take well under a second.
 
+The registry ``ADVANTAGE_ESTIMATORS`` (bottom of the file) maps each estimator name of the method table
+to a function ``(batch: AdvantageBatch, config) -> AdvantageResult``: every estimator reads the same
+batch (segments of many episodes, their values, groups and, for token-level estimators, per-token
+values) and returns per-segment advantages (and per-token ones where it has them).
+
 Conventions (method.md §5): gamma is the per-segment discount Γ_k (a scalar or one value per
 segment), the trace Λ_k multiplies A_{k+1} in A_k, and the value after a trajectory's last segment
 is whatever the caller passes: 0 for an episode that ended, a bootstrap value for a truncated one.
@@ -20,36 +25,14 @@ is whatever the caller passes: 0 for an episode that ended, a bootstrap value fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 Array = Any  # np.ndarray or torch.Tensor; the batch forms return the kind they are given
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., Any]] = {}
-
-
-def register_advantage(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add a batch-form estimator to ``ADVANTAGE_ESTIMATORS`` under ``name``."""
-
-    def add(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return add
-
-
-def get_advantage_estimator(name: str) -> Callable[..., Any]:
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
-        raise ValueError(f"unknown advantage estimator {name!r}; known estimators: {known}") from None
-
 
 # --------------------------------------------------------------------------------------------
 # Helpers shared by numpy and torch inputs
@@ -178,7 +161,6 @@ def _split_values(values: Array, lengths: np.ndarray) -> tuple[Array, Array]:
     return values[idx], values[idx + 1]
 
 
-@register_advantage("segment_td_lambda")
 def segment_td_lambda_batch(
     rewards: Array,
     values: Array,
@@ -234,7 +216,6 @@ def vineppo_advantages(rewards: Array, mc_values: Array) -> tuple[Array, Array]:
     return segment_td_lambda(rewards, mc_values, gamma=1.0, lam=0.0)
 
 
-@register_advantage("vineppo")
 def vineppo_advantages_batch(rewards: Array, mc_values: Array, lengths: Array) -> tuple[Array, Array]:
     """Vectorised ``vineppo_advantages`` over a ragged batch (layout as ``segment_td_lambda_batch``)."""
     return segment_td_lambda_batch(rewards, mc_values, lengths, gamma=1.0, lam=0.0)
@@ -267,7 +248,6 @@ def _take(x: Array, index: np.ndarray) -> Array:
 ZERO_STD = 1e-6  # a group whose reward std is below this is treated as having no spread
 
 
-@register_advantage("grpo")
 def grpo_advantages(
     rewards: Array, group_ids: Array, *, scale: str = "std", unbiased: bool = True
 ) -> Array:
@@ -299,13 +279,11 @@ def grpo_advantages(
     return centred * _take(inv_std, group)
 
 
-@register_advantage("dr_grpo")
 def dr_grpo_advantages(rewards: Array, group_ids: Array) -> Array:
     """Dr.GRPO: ``r_i − mean_g`` (GRPO without the std division)."""
     return grpo_advantages(rewards, group_ids, scale="none")
 
 
-@register_advantage("rloo")
 def rloo_advantages(rewards: Array, group_ids: Array) -> Array:
     """RLOO leave-one-out baseline: ``r_i − mean_{j≠i} r_j = G/(G−1) (r_i − mean_g)``; 0 for G=1."""
     rewards = _float_array(rewards)
@@ -336,7 +314,6 @@ def _check_gae_inputs(token_rewards: Array, token_values: Array, mask: Array) ->
         )
 
 
-@register_advantage("gae")
 def gae(
     token_rewards: Array, token_values: Array, mask: Array, *, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[Array, Array]:
@@ -430,3 +407,175 @@ def whiten(advantages: Array, mask: Array | None = None, *, eps: float = 1e-8) -
         return torch.where(keep, (adv - mean) / (std + eps), torch.zeros_like(adv))
     mean, std = selected.mean(), selected.std()
     return np.where(keep, (adv - mean) / (std + eps), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Values of states without returns (VinePPO beyond its value-estimation cap)
+# --------------------------------------------------------------------------------------------
+
+
+def fill_missing_values(rewards: np.ndarray, values: np.ndarray, known: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """V(s_k) = ``values[k]`` where ``known``, else r_k + V(s_{k+1}) (V after the last segment = 0).
+
+    VinePPO's rule for states it estimates no value for: their δ_k = r_k + V(s_{k+1}) − V(s_k) is 0, and the
+    credit goes to the nearest earlier state that has a Monte-Carlo value. Flat ragged layout as above.
+    """
+    rewards, values = np.asarray(rewards, np.float64), np.asarray(values, np.float64)
+    known, lengths = np.asarray(known, bool), _lengths_numpy(lengths)
+    out = np.where(known, values, 0.0)
+    end = 0
+    for length in lengths:
+        start, end = end, end + length
+        following = 0.0
+        for k in range(end - 1, start - 1, -1):
+            if not known[k]:
+                out[k] = rewards[k] + following
+            following = out[k]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline's registry: one signature for every estimator
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """The segments of a batch of episodes, episodes contiguous and segments in order.
+
+    rewards [N], lengths [B] (segments per episode), values [N] V̂(s_k) (None for group and token estimators),
+    outcomes [B] episode rewards, groups [B] group ids (a cut episode gets a group of its own),
+    token_values / token_masks: per segment, the value head's V_t and the policy-token mask (gae only).
+    """
+
+    rewards: np.ndarray
+    lengths: np.ndarray
+    outcomes: np.ndarray
+    groups: np.ndarray
+    values: np.ndarray | None = None
+    segment_tokens: np.ndarray | None = None  # [N] generated tokens L_k (the token-length trace)
+    token_values: Sequence[np.ndarray] | None = None
+    token_masks: Sequence[np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    """Per segment: A_k, V̂(s_k), V̂(s_{k+1}) and the λ-return; per token where the estimator has them."""
+
+    advantage: np.ndarray
+    value: np.ndarray
+    next_value: np.ndarray
+    lambda_return: np.ndarray
+    token_advantages: list[np.ndarray] | None = None
+    token_returns: list[np.ndarray] | None = None
+
+
+Estimator = Callable[[AdvantageBatch, Any], AdvantageResult]
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_advantage(name: str) -> Callable[[Estimator], Estimator]:
+    """Add a pipeline estimator ``(batch, config) -> AdvantageResult`` under ``name``."""
+
+    def add(fn: Estimator) -> Estimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def get_advantage_estimator(name: str) -> Estimator:
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
+        raise ValueError(f"unknown advantage estimator {name!r}; known estimators: {known}") from None
+
+
+def _with_terminal_zero(batch: AdvantageBatch) -> np.ndarray:
+    """Values [N] -> [N + B]: V(s_0..s_{K-1}) of each episode, then 0 after its end."""
+    ends = np.cumsum(_lengths_numpy(batch.lengths))
+    return np.insert(np.asarray(batch.values, np.float64), ends, 0.0)
+
+
+def _segment_result(batch: AdvantageBatch, advantage: np.ndarray, returns: np.ndarray) -> AdvantageResult:
+    flat = _with_terminal_zero(batch)
+    value_now, value_next = _split_values(flat, _lengths_numpy(batch.lengths))
+    return AdvantageResult(advantage, value_now, value_next, returns)
+
+
+@register_advantage("segment_td_lambda")
+def _segment_td_lambda_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    trace = None
+    if config.trace_mode == "token_length":
+        if batch.segment_tokens is None:
+            raise ValueError("trace_mode=token_length needs AdvantageBatch.segment_tokens")
+        trace = token_length_trace(batch.segment_tokens, lambda_for_halflife(config.lambda_token_halflife))
+    advantage, returns = segment_td_lambda_batch(batch.rewards, _with_terminal_zero(batch), batch.lengths,
+                                                 gamma=config.gamma, lam=config.lam, trace=trace)
+    return _segment_result(batch, advantage, returns)
+
+
+@register_advantage("vineppo")
+def _vineppo_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    advantage, returns = vineppo_advantages_batch(batch.rewards, _with_terminal_zero(batch), batch.lengths)
+    return _segment_result(batch, advantage, returns)
+
+
+def _group_result(batch: AdvantageBatch, per_episode: np.ndarray) -> AdvantageResult:
+    lengths = _lengths_numpy(batch.lengths)
+    advantage = np.repeat(per_episode, lengths)
+    value = np.repeat(np.asarray(batch.outcomes, np.float64) - per_episode, lengths)  # the group baseline r − A
+    return AdvantageResult(advantage, value, np.zeros_like(advantage), advantage + value)
+
+
+@register_advantage("grpo")
+def _grpo_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    return _group_result(batch, grpo_advantages(batch.outcomes, batch.groups, unbiased=config.grpo_std == "unbiased"))
+
+
+@register_advantage("dr_grpo")
+def _dr_grpo_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    return _group_result(batch, dr_grpo_advantages(batch.outcomes, batch.groups))
+
+
+@register_advantage("rloo")
+def _rloo_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    return _group_result(batch, rloo_advantages(batch.outcomes, batch.groups))
+
+
+@register_advantage("gae")
+def _gae_estimator(batch: AdvantageBatch, config: Any) -> AdvantageResult:
+    """Token-level GAE over each episode's policy tokens (its segments' tokens in order, tool tokens masked);
+    the reward sits on the episode's last policy token. Per segment: the mean token advantage, and the value
+    and return at the segment's first policy token."""
+    if batch.token_values is None or batch.token_masks is None:
+        raise ValueError("the gae estimator needs token_values and token_masks (a value head's per-token values)")
+    lengths = _lengths_numpy(batch.lengths)
+    token_advantages, token_returns = [], []
+    seg_adv, seg_value, seg_return = (np.zeros(int(lengths.sum())) for _ in range(3))
+    start = 0
+    for episode, length in enumerate(lengths):
+        segments = range(start, start + length)
+        masks = [np.asarray(batch.token_masks[k]) for k in segments]
+        values = np.concatenate([np.asarray(batch.token_values[k], np.float64) for k in segments])
+        mask = np.concatenate(masks)
+        rewards = np.zeros(len(mask))
+        policy = np.flatnonzero(mask != 0)
+        if policy.size:
+            rewards[policy[-1]] = batch.outcomes[episode]
+        advantages, returns = gae(rewards, values, mask, gamma=config.gamma, lam=config.lam)
+        cuts = np.cumsum([len(m) for m in masks])[:-1]
+        for k, adv, ret, val, m in zip(segments, np.split(advantages, cuts), np.split(returns, cuts),
+                                       np.split(values, cuts), masks, strict=True):
+            token_advantages.append(adv)
+            token_returns.append(ret)
+            on = np.flatnonzero(m != 0)
+            if on.size:
+                seg_adv[k], seg_value[k], seg_return[k] = adv[on].mean(), val[on[0]], ret[on[0]]
+        start += length
+    next_value = np.r_[seg_value[1:], 0.0]
+    next_value[np.cumsum(lengths) - 1] = 0.0
+    return AdvantageResult(seg_adv, seg_value, next_value, seg_return, token_advantages, token_returns)

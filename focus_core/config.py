@@ -1,13 +1,13 @@
 """Typed run configuration: pydantic models, per-method presets, YAML loading with ``a.b=c`` overrides.
 
-One ``FocusConfig`` describes a run. ``method`` picks the algorithm; every method is the same pipeline
-with other settings, so a method mostly implies settings of the sections below (``method_defaults``).
-Preset values fill only the fields a user did not give, and combinations the pipeline does not
-support fail at load time with the reason and the fix, never halfway through a run.
+One ``FocusConfig`` describes a run. ``method`` picks a row of the method table
+(``focus_core/methods.py``); every method is the same pipeline with other settings, so a method mostly
+implies settings of the sections below (``method_defaults``). Preset values fill only the fields a user
+did not give, and combinations the pipeline does not support fail at load time with the reason and the
+fix, never halfway through a run.
 
-Sections that a method does not use are ``None``: GRPO, Dr.GRPO and RLOO have neither ``critic`` nor
-``acquisition``; PPO+GAE has a critic but no branches (``acquisition``); VinePPO has branches but no
-critic (its values are Monte-Carlo means).
+Sections that a method does not use are ``None``: only the critic methods (FOCUS) have ``critic``, only
+the branching methods (FOCUS, VinePPO) have ``acquisition``.
 
 Entry points: ``load_config(path, overrides)`` for YAML files plus CLI overrides, ``validate_config``
 for a plain dict; both raise ``ConfigError`` listing every problem as ``field.path: problem``.
@@ -15,22 +15,22 @@ for a plain dict; both raise ``ConfigError`` listing every problem as ``field.pa
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from focus_core.budget import matched_budget
+from focus_core.methods import METHOD_TABLE, METHODS, get_method, method_defaults
 
-MethodName = Literal["focus", "vineppo", "grpo", "dr_grpo", "rloo", "ppo_gae"]
+# The allowed names are the registries' keys (tests check that they stay equal): the method table
+# (focus_core/methods.py), the advantage estimators and the acquisition strategies.
+MethodName = Literal[METHODS]  # type: ignore[valid-type]
 EstimatorName = Literal["segment_td_lambda", "vineppo", "grpo", "dr_grpo", "rloo", "gae"]
 StrategyName = Literal[
-    "uniform_all", "uniform_random", "ensemble_std", "eer_diag", "ivr_greedy", "neyman", "oracle"
+    "uniform_all", "uniform_random", "ensemble_std", "eer_diag", "ivr_greedy", "neyman", "entropy", "oracle"
 ]
 
-METHODS: tuple[str, ...] = get_args(MethodName)
 
 
 class ConfigError(ValueError):
@@ -49,15 +49,19 @@ def _fail_if(problems: list[str]) -> None:
 
 
 class BudgetConfig(_Section):
-    """Generated-token budget per iteration, matched across methods (method.md §9.2)."""
+    """Generated-token budget per iteration, one number for every method of a comparison (method.md §9.2).
 
-    prompts_per_iteration: int = Field(4, ge=1, description="P: prompts (tasks) per iteration")
-    group_size_grpo: int = Field(8, ge=1, description="G_grpo: rollouts per prompt of the GRPO family")
-    group_size_main: int = Field(4, ge=1, description="G_main: main rollouts per prompt with branching")
-    expected_episode_tokens: int = Field(
-        250, ge=1, description="L̄: expected generated tokens per episode (tiny default; ~5000 for 9B agents)"
-    )
-    tokens_per_iteration: int | None = Field(None, ge=1, description="explicit B_tok; default P·L̄·G_grpo")
+    B_tok is measured, not assumed: the bootstrap stage plays ``measure_episodes`` training episodes with
+    the warm-started policy and sets B_tok = mean generated tokens per episode × P × G_grpo (committed in
+    its manifest, so every run started from that bootstrap with ``--init`` gets the same B_tok).
+    ``tokens_per_iteration`` replaces the measurement by an explicit number.
+    """
+
+    prompts_per_iteration: int = Field(16, ge=1, description="P: prompts (tasks) per iteration at which B_tok is sized")
+    group_size_grpo: int = Field(8, ge=1, description="G_grpo: rollouts per prompt of the methods that do not branch")
+    group_size_main: int = Field(4, ge=1, description="G_main: main rollouts per prompt of the branching methods")
+    tokens_per_iteration: int | None = Field(None, ge=1, description="explicit B_tok; default measured at bootstrap")
+    measure_episodes: int = Field(64, ge=1, description="training episodes the bootstrap plays to measure B_tok")
 
     @model_validator(mode="after")
     def _check(self) -> BudgetConfig:
@@ -67,36 +71,8 @@ class BudgetConfig(_Section):
                 f"group_size_main: {self.group_size_main} > group_size_grpo {self.group_size_grpo}; the main "
                 f"rollouts alone would exceed the matched budget (fix: group_size_main <= group_size_grpo)"
             )
-        elif self.tokens_per_iteration is not None and self.tokens_per_iteration < self.main_tokens:
-            problems.append(
-                f"tokens_per_iteration: {self.tokens_per_iteration} is below the expected main-rollout "
-                f"tokens P·L̄·G_main = {self.main_tokens} (fix: raise it or leave it unset)"
-            )
         _fail_if(problems)
         return self
-
-    @property
-    def main_tokens(self) -> int:
-        """Expected tokens of the main rollouts of a branching method: P·L̄·G_main."""
-        return self.prompts_per_iteration * self.expected_episode_tokens * self.group_size_main
-
-    @property
-    def total_tokens(self) -> int:
-        """B_tok: the explicit budget if given, else P·L̄·G_grpo."""
-        if self.tokens_per_iteration is not None:
-            return self.tokens_per_iteration
-        total, _ = matched_budget(
-            prompts=self.prompts_per_iteration,
-            mean_episode_tokens=self.expected_episode_tokens,
-            group_size_grpo=self.group_size_grpo,
-            group_size_main=self.group_size_main,
-        )
-        return total
-
-    @property
-    def branch_tokens(self) -> int:
-        """Budget left for continuations: B_tok − P·L̄·G_main."""
-        return self.total_tokens - self.main_tokens
 
 
 class AdvantageConfig(_Section):
@@ -143,10 +119,6 @@ class AcquisitionConfig(_Section):
     vine_k: int = Field(9, ge=1, description="K: continuations per state for uniform_all (VinePPO)")
     rounds: int = Field(2, ge=1, description="R: acquire -> branch -> fit rounds per iteration")
     jitter: float = Field(1e-4, gt=0.0, description="τ²: jitter added to the ensemble covariance diagonal")
-    include_own_return_in_shrinkage: bool = Field(
-        False, description="count a state's own realised return in the value shrinkage (self-referential)"
-    )
-    n_trust: int = Field(8, ge=1, description="with this many MC returns use their mean directly")
     benchmark_only: bool = Field(
         False, description="allow the oracle strategy, which reads true values only benchmarks have"
     )
@@ -173,7 +145,6 @@ class CriticConfig(_Section):
 
     members: int = Field(5, ge=2, description="M: ensemble heads (>= 2 to have a spread)")
     hidden: int = Field(256, ge=1, description="hidden width of each head")
-    features_dim: int = Field(64, ge=1, description="dimension of the state features")
     steps: int = Field(300, ge=1, description="gradient steps per fit, each on a minibatch of states")
     lr: float = Field(3e-3, gt=0.0, description="Adam learning rate")
     prior_precision: float = Field(
@@ -184,6 +155,14 @@ class CriticConfig(_Section):
         "poisson", description="poisson: each head weights every observed return by Poisson(1)"
     )
     seed: int = Field(0, description="offset combined with the run seed for head init and bootstrap")
+    folds: int = Field(
+        4, ge=2, description="cross-fitting: the value of a task's states comes from a critic fitted on the "
+        "other folds of tasks, so no episode's baseline has seen its own return"
+    )
+    replay_iterations: int = Field(
+        0, ge=0, description="also fit on the critic data of this many earlier iterations (features of older "
+        "policies; 0 = this iteration only)"
+    )
 
 
 class AgentConfig(_Section):
@@ -252,6 +231,14 @@ class BootstrapConfig(_Section):
     max_seconds: float = Field(240.0, gt=0.0, description="wall-clock limit of the fine-tuning loop")
     batch_tokens: int = Field(8192, ge=256, description="padded tokens per step")
     context_weight: float = Field(0.0, ge=0.0, description="weight of the auxiliary loss on context/tool tokens")
+    max_steps: int | None = Field(
+        None, ge=1, description="SFT optimizer steps; bounds the warm start by steps, so it is the same on any "
+        "machine (max_seconds still applies)"
+    )
+    init_from: str | None = Field(
+        None, description="reuse a committed bootstrap instead of training one: a run id in this store, or a "
+        "run's URL (s3://bucket/prefix/RUN_ID or /path/to/runs/RUN_ID); `focus train --init RUN_ID` sets it"
+    )
 
 
 class PPOConfig(_Section):
@@ -268,6 +255,9 @@ class PPOConfig(_Section):
     )
     constant_normaliser: int | None = Field(None, ge=1, description="C for loss_agg=constant (Dr.GRPO)")
     max_grad_norm: float = Field(1.0, gt=0.0, description="gradient norm clip")
+    value_coef: float = Field(0.5, ge=0.0, description="weight of the value-head loss (ppo_gae)")
+    value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping around the sampling-time "
+                                     "values (ppo_gae); null = none")
 
     @model_validator(mode="after")
     def _check(self) -> PPOConfig:
@@ -284,44 +274,6 @@ class PPOConfig(_Section):
             )
         _fail_if(problems)
         return self
-
-
-# --- method presets ----------------------------------------------------------------------------------
-
-# What each method implies. A section mapped to None is one the method does not use.
-_METHOD_PRESETS: dict[str, dict[str, dict[str, Any] | None]] = {
-    "focus": {
-        "advantage": {"estimator": "segment_td_lambda"},
-        "acquisition": {"strategy": "ivr_greedy"},
-        "critic": {},
-    },
-    # VinePPO spreads its budget once: with no critic to refit, more rounds would change nothing.
-    "vineppo": {
-        "advantage": {"estimator": "vineppo"},
-        "acquisition": {"strategy": "uniform_all", "rounds": 1},
-        "critic": None,
-    },
-    # Group-relative advantages are already normalised per group: no second whitening over the batch.
-    "grpo": {"advantage": {"estimator": "grpo", "whiten": False}, "acquisition": None, "critic": None},
-    "dr_grpo": {
-        "advantage": {"estimator": "dr_grpo", "whiten": False},
-        "acquisition": None,
-        "critic": None,
-        "ppo": {"loss_agg": "constant"},
-    },
-    "rloo": {"advantage": {"estimator": "rloo", "whiten": False}, "acquisition": None, "critic": None},
-    "ppo_gae": {"advantage": {"estimator": "gae"}, "acquisition": None, "critic": {}},
-}
-
-_GROUP_METHODS = ("grpo", "dr_grpo", "rloo")
-_BRANCHING_METHODS = ("focus", "vineppo")
-
-
-def method_defaults(method: str) -> dict[str, dict[str, Any] | None]:
-    """The section settings a method implies; a section mapped to None is not used by the method."""
-    if method not in _METHOD_PRESETS:
-        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-    return copy.deepcopy(_METHOD_PRESETS[method])
 
 
 class FocusConfig(_Section):
@@ -343,11 +295,11 @@ class FocusConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_method_preset(cls, data: Any) -> Any:
-        """Fill the fields the user did not give from the method's preset."""
+        """Fill the fields the user did not give from the method's row of the method table."""
         if not isinstance(data, dict):
             return data
         method = data.get("method", "focus")
-        if method not in _METHOD_PRESETS:
+        if method not in METHOD_TABLE:
             return data  # the Literal check on `method` reports it
         filled = dict(data)
         for section, preset in method_defaults(method).items():
@@ -359,70 +311,64 @@ class FocusConfig(_Section):
 
     @model_validator(mode="after")
     def _check_method_combination(self) -> FocusConfig:
-        method, problems = self.method, []
-        estimator_of = {name: preset["advantage"]["estimator"] for name, preset in _METHOD_PRESETS.items()}
-        if self.advantage.estimator != estimator_of[method]:
-            method_of_estimator = {estimator: name for name, estimator in estimator_of.items()}
+        """Check the config against the method's row: estimator, critic, branching rule, requirements."""
+        method, problems = get_method(self.method), []
+        if self.advantage.estimator != method.estimator:
+            others = [m.name for m in METHOD_TABLE.values() if m.estimator == self.advantage.estimator]
             problems.append(
-                f"advantage.estimator: method {method} uses estimator {estimator_of[method]}, got "
-                f"{self.advantage.estimator} (fix: remove advantage.estimator, or use "
-                f"method={method_of_estimator[self.advantage.estimator]})"
+                f"advantage.estimator: method {method.name} uses estimator {method.estimator}, got "
+                f"{self.advantage.estimator} (fix: remove advantage.estimator"
+                + (f", or use method={others[0]})" if others else ")")
             )
-        if method in _GROUP_METHODS:
-            for section in ("acquisition", "critic"):
-                if getattr(self, section) is not None:
-                    problems.append(
-                        f"{section}: {method} is critic-free and does not branch, so the {section} "
-                        f"section would be ignored (fix: remove it or set {section}=null; "
-                        f"configs/grpo.yaml is a critic-free example)"
-                    )
-            if self.budget.group_size_grpo < 2:
-                problems.append(
-                    f"budget.group_size_grpo: {method} compares rollouts within a group, so a group of "
-                    f"{self.budget.group_size_grpo} gives no signal (fix: group_size_grpo >= 2)"
-                )
-        if method == "dr_grpo" and self.ppo.loss_agg != "constant":
+        if method.uses_critic and self.critic is None:
+            problems.append(f"critic: {method.name} needs it (fix: give the section or remove the null)")
+        if not method.uses_critic and self.critic is not None:
             problems.append(
-                "ppo.loss_agg: dr_grpo removes the per-sequence length bias with a constant normaliser "
-                "(fix: loss_agg=constant with ppo.constant_normaliser)"
+                f"critic: {method.name} takes its values from {method.values}, so the critic section would be "
+                f"ignored (fix: remove it or set critic=null; configs/{'vineppo' if method.uses_branches else 'grpo'}"
+                f".yaml is an example)"
             )
-        if method == "ppo_gae":
-            if self.acquisition is not None:
-                problems.append(
-                    "acquisition: ppo_gae does not branch (fix: remove it or set acquisition=null)"
-                )
-            if self.critic is None:
-                problems.append("critic: ppo_gae needs a critic (fix: give the section or remove the null)")
-        if method == "focus":
-            for section in ("acquisition", "critic"):
-                if getattr(self, section) is None:
-                    problems.append(f"{section}: focus needs it (fix: give the section or remove the null)")
-        if method == "vineppo":
-            if self.acquisition is None:
-                problems.append("acquisition: vineppo branches (fix: give the section or remove the null)")
-            elif self.acquisition.strategy != "uniform_all":
-                problems.append(
-                    f"acquisition.strategy: vineppo spreads continuations uniformly over all states, got "
-                    f"{self.acquisition.strategy} (fix: strategy=uniform_all, or method=focus to compare "
-                    f"strategies)"
-                )
-            if self.critic is not None:
-                problems.append(
-                    "critic: vineppo uses Monte-Carlo values only (fix: remove it or set critic=null, "
-                    "e.g. use configs/vineppo.yaml)"
-                )
+        if method.uses_branches and self.acquisition is None:
+            problems.append(f"acquisition: {method.name} branches (fix: give the section or remove the null)")
+        if not method.uses_branches and self.acquisition is not None:
+            problems.append(
+                f"acquisition: {method.name} does not branch, so the acquisition section would be ignored "
+                f"(fix: remove it or set acquisition=null)"
+            )
+        if (method.strategy_fixed and self.acquisition is not None
+                and self.acquisition.strategy != method.branching):
+            problems.append(
+                f"acquisition.strategy: {method.name} is the {method.branching} rule, got "
+                f"{self.acquisition.strategy} (fix: strategy={method.branching}, or method=focus to compare "
+                f"strategies)"
+            )
+        if method.uses_branches is False and self.budget.group_size_grpo < 2 and method.values == "group":
+            problems.append(
+                f"budget.group_size_grpo: {method.name} compares rollouts within a group, so a group of "
+                f"{self.budget.group_size_grpo} gives no signal (fix: group_size_grpo >= 2)"
+            )
+        resolved = self.model_dump()
+        for path, wanted in method.requires.items():
+            section, name = path.split(".")
+            if (resolved.get(section) or {}).get(name) != wanted:
+                problems.append(f"{path}: {method.name} needs {wanted} (fix: {path}={wanted} or remove the setting)")
         _fail_if(problems)
         return self
 
     @property
+    def method_row(self):
+        """This run's row of the method table (``focus_core.methods.Method``)."""
+        return get_method(self.method)
+
+    @property
     def uses_branches(self) -> bool:
-        """Whether the method spends a branch budget on continuations (stages acquire and branch)."""
-        return self.method in _BRANCHING_METHODS
+        """Whether the method spends part of the budget on continuations (stages acquire and branch)."""
+        return self.method_row.uses_branches
 
     @property
     def uses_critic(self) -> bool:
-        """Whether the method trains a critic ensemble."""
-        return self.critic is not None
+        """Whether the method trains the critic ensemble."""
+        return self.method_row.uses_critic
 
     @property
     def main_group_size(self) -> int:

@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 # Bump whenever a column is added, removed, renamed or retyped; it feeds the stage version hash,
 # so a schema change invalidates stored artifacts instead of silently mixing layouts.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Allowed values of categorical columns (checked by validate_table).
 ROLLOUT_ROLES = ("context", "policy", "tool", "summary")
@@ -256,6 +256,38 @@ TABLES: dict[str, pa.Schema] = {
             _column("entropy", pa.float64(), "mean policy entropy per token"),
             _column("grad_norm", pa.float64(), "gradient norm before clipping"),
             _column("lr", pa.float64(), "learning rate of the step"),
+            _column("value_loss", pa.float64(), "value-head loss (ppo_gae); null without a value head",
+                    nullable=True),
+        ],
+    ),
+    "critic_data": _schema(
+        "critic_data",
+        "one row per distinct state the critic was fitted on in this round (what a replay re-reads)",
+        [
+            RUN_ID,
+            ITERATION,
+            STATE_ID,
+            POLICY_VERSION,
+            _column("task_id", pa.string(), "task of the state: cross-fitting folds are made of tasks"),
+            _column("fold", pa.int32(), "cross-fitting fold of the task"),
+            _column("features", FLOATS, "critic input features"),
+            _column("successes", pa.float64(), "sum of the returns observed at the state"),
+            _column("trials", pa.float64(), "number of returns observed at the state"),
+        ],
+    ),
+    "token_advantages": _schema(
+        "token_advantages",
+        "one row per segment of a token-level estimator (gae): per-token values, advantages, returns",
+        [
+            RUN_ID,
+            ITERATION,
+            EPISODE_ID,
+            SEGMENT_IDX,
+            STATE_ID,
+            POLICY_VERSION,
+            _column("values", FLOATS, "value-head V_t of the state each token is generated in (0 off policy tokens)"),
+            _column("advantages", FLOATS, "GAE advantage A_t (0 off policy tokens)"),
+            _column("returns", FLOATS, "value targets A_t + V_t (0 off policy tokens)"),
         ],
     ),
     "evaluation": _schema(
@@ -299,6 +331,7 @@ _ALLOWED_VALUES: dict[tuple[str, str], tuple[Any, ...]] = {
 # Per-token list columns that must have the same length in every row.
 _ALIGNED_LISTS: dict[str, tuple[str, ...]] = {
     "rollouts": ("token_ids", "logprobs", "loss_mask"),
+    "token_advantages": ("values", "advantages", "returns"),
 }
 
 

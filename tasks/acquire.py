@@ -4,10 +4,13 @@ values the critic knows worst (``focus_core.acquisition``).
 Candidates are the distinct states of the iteration's main episodes (every main episode of a task
 starts in the same s_0, so a state id can occur several times): each is weighted by how much its
 value error moves the advantages (W_k of its segment index, method.md §5.3) times its occurrences,
-and priced at the generated tokens its own episode still needed from there. The round's budget is
+and priced at the tokens one continuation is expected to cost (``continuation_cost``); it carries every
+return it already has (own returns of its main episodes, earlier rounds' continuations), which the
+per-state cap and the critic-driven strategies count. The round's budget is
 what the ledger has left after the main rollouts and earlier rounds, split evenly over the rounds
 still to run. Without a critic yet (FOCUS's first round of iteration 0) the states are drawn
-uniformly at random, and the table says so.
+uniformly at random, and the table says so. ``entropy`` (ARPO/AEPO-style) reads the policy's next-action
+entropy at each state from the rollouts' own log-probs.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from focus_core.acquisition import Candidates, Request, advantage_sensitivity, allocate
+from focus_core.acquisition import CRITIC_FREE_STRATEGIES, Candidates, Request, advantage_sensitivity, allocate
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
+from tasks.fit_critic import branch_returns
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens
 from tasks.stage import RunContext, StageResult, run_stage
 
@@ -32,22 +36,83 @@ def stage_name(round_idx: int) -> str:
     return f"acquire_r{round_idx}"
 
 
-def distinct_states(states: pa.Table) -> tuple[pa.Table, np.ndarray]:
-    """The first row of each distinct state id, and how often each occurs."""
+def distinct_states(states: pa.Table) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+    """The first row of each distinct state id, how often each occurs, and each row's distinct index."""
     ids = np.array(states.column("state_id").to_pylist(), dtype=object)
-    _, first, counts = np.unique(ids, return_index=True, return_counts=True)
-    order = np.sort(first)
-    return states.take(order), counts[np.argsort(first)]
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first)
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return states.take(first[order]), np.bincount(rank[inverse]), rank[inverse]
 
 
-def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, critic: Manifest | None,
-            charged: Sequence[Manifest], scratch: Path) -> StageResult:
+def next_action_entropy(rollouts: pa.Table, states: pa.Table) -> np.ndarray:
+    """Per states row, −mean log-prob of the first policy message of its segment: a one-sample estimate of
+    the policy's per-token entropy of its next action there (ARPO/AEPO branch where it is high)."""
+    first: dict[tuple[str, int], float] = {}
+    for episode, segment, role, logprobs in zip(rollouts.column("episode_id").to_pylist(),
+                                                rollouts.column("segment_idx").to_pylist(),
+                                                rollouts.column("role").to_pylist(),
+                                                rollouts.column("logprobs").to_pylist(), strict=True):
+        if role == "policy" and (episode, segment) not in first and logprobs:
+            first[(episode, segment)] = -float(np.mean(logprobs))
+    return np.array([first.get(key, 0.0) for key in zip(states.column("episode_id").to_pylist(),
+                                                         states.column("segment_idx").to_pylist(), strict=True)])
+
+
+def earlier_costs(ctx: RunContext, charged: Sequence[Manifest]) -> dict[str, list[int]]:
+    """Generated tokens of each state's continuations in earlier rounds (cut ones left out: they stopped early)."""
+    costs: dict[str, list[int]] = {}
+    for manifest in charged:
+        if not manifest.stage.startswith("branch_") or manifest.skipped:
+            continue
+        table = read(ctx, manifest, "branches")
+        cut = set(e for e, c in zip(*(read(ctx, manifest, "episodes").column(k).to_pylist()
+                                      for k in ("episode_id", "budget_cut")), strict=True) if c)
+        for state, tokens, episode in zip(*(table.column(k).to_pylist() for k in ("state_id", "generated_tokens",
+                                                                                   "episode_id")), strict=True):
+            if episode not in cut:
+                costs.setdefault(state, []).append(tokens)
+    return costs
+
+
+def continuation_cost(all_states: pa.Table, row_state: np.ndarray, occurrences: np.ndarray, states: pa.Table,
+                      earlier: dict[str, list[int]]) -> np.ndarray:
+    """Expected tokens of one continuation from each distinct state.
+
+    Every observed cost from the state counts — the tokens its main episodes still generated from there and its
+    earlier continuations — shrunk toward the mean at the same segment index by one pseudo-observation. A
+    single own episode is a noisy price, and a strategy that divides by cost would pick the states whose noise
+    happened to be low (then spend more than planned, and the budget cuts continuations).
+    """
+    remaining = all_states.column("remaining_generated_tokens").to_numpy().astype(np.float64)
+    segment_idx = all_states.column("segment_idx").to_numpy()
+    by_index = {k: remaining[segment_idx == k].mean() for k in np.unique(segment_idx)}
+    total = np.bincount(row_state, weights=remaining, minlength=states.num_rows)
+    count = occurrences.astype(np.float64)
+    for i, state in enumerate(states.column("state_id").to_pylist()):
+        total[i] += sum(earlier.get(state, ()))
+        count[i] += len(earlier.get(state, ()))
+    prior = np.array([by_index[k] for k in states.column("segment_idx").to_numpy()])
+    return (total + prior) / (count + 1)
+
+
+def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
+            critic: Manifest | None, charged: Sequence[Manifest], scratch: Path) -> StageResult:
     cfg = ctx.config
     if not cfg.uses_branches:
         return StageResult(skipped=f"{cfg.method} does not branch")
-    states, occurrences = distinct_states(read(ctx, segment, "states"))
+    all_states = read(ctx, segment, "states")
+    states, occurrences, row_state = distinct_states(all_states)
+    cut = dict(zip(*(read(ctx, rollout, "episodes").column(c).to_pylist() for c in ("episode_id", "budget_cut")),
+                   strict=True))
+    counted = np.array([not cut[e] for e in all_states.column("episode_id").to_pylist()], dtype=float)
+    # Every return a state already has: its main episodes' own returns and earlier rounds' continuations.
+    earlier = branch_returns(ctx, [m for m in charged if m.stage.startswith("branch_")])
+    already = (np.bincount(row_state, weights=counted, minlength=states.num_rows)
+               + np.array([len(earlier.get(s, ())) for s in states.column("state_id").to_pylist()]))
     rounds_left = cfg.acquisition.rounds - round_idx
-    budget = max(0, cfg.budget.total_tokens - spent_tokens(ctx, charged)) / rounds_left
+    budget = max(0, ctx.budget - spent_tokens(ctx, charged)) / rounds_left
     features = np.array(states.column("features").to_pylist(), dtype=np.float32)
     acquisition = cfg.acquisition
     if critic is not None and not critic.skipped:
@@ -55,13 +120,28 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                                                              CRITIC_FOLDER)).predict_members(features)
     else:
         members = None
-        if acquisition.strategy not in ("uniform_all", "uniform_random"):
+        if acquisition.strategy not in CRITIC_FREE_STRATEGIES:
             acquisition = acquisition.model_copy(update={"strategy": "uniform_random"})
     segment_idx = states.column("segment_idx").to_numpy()
+    cost = continuation_cost(all_states, row_state, occurrences, states, earlier_costs(ctx, charged))
+    # Earlier rounds show how far actual spend strays from plans (a strategy that divides by cost favours
+    # states whose price was underestimated): later rounds scale their prices by that ratio.
+    earlier_rounds = [m for m in charged if m.stage.startswith("branch_") and not m.skipped]
+    planned = sum(float(m.figures.get("planned_tokens", 0.0)) for m in earlier_rounds)
+    calibration = float(np.clip(sum(float(m.figures["tokens"]) for m in earlier_rounds) / planned, 0.5, 2.0)
+                        ) if planned > 0 else 1.0
+    cost = cost * calibration
+    entropy = None
+    if acquisition.strategy == "entropy":
+        per_row = next_action_entropy(read(ctx, rollout, "rollouts"), all_states)
+        entropy = np.bincount(row_state, weights=per_row) / occurrences
     candidates = Candidates(
         member_predictions=members if members is not None else np.full((2, states.num_rows), 0.5),
-        cost=np.maximum(1.0, states.column("remaining_generated_tokens").to_numpy().astype(np.float64)),
+        cost=np.maximum(1.0, cost),
         weight=advantage_sensitivity(segment_idx, gamma=cfg.advantage.gamma, lam=cfg.advantage.lam) * occurrences,
+        already=already.astype(np.int64), entropy=entropy,
+        # A critic of an earlier iteration has seen none of these returns; this iteration's has seen them all.
+        unseen=already if critic is None or critic.iteration != iteration else np.zeros_like(already),
     )
     seed = ctx.seed(iteration, stage_name(round_idx))
     allocation = allocate(candidates, Request(budget, acquisition, seed=seed))
@@ -81,7 +161,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         "continuations": pa.array(allocation.counts, pa.int32()),
         "reason": reasons,
     }, schema=schema_for("acquisition"))
-    figures = {"candidates": n, "chosen_states": int((allocation.counts > 0).sum()),
+    figures = {"candidates": n, "chosen_states": int((allocation.counts > 0).sum()), "cost_calibration": calibration,
                "continuations": int(allocation.counts.sum()), "budget": round(budget),
                "estimated_tokens": round(allocation.estimated_tokens)}
     return StageResult(tables={"acquisition": table}, figures=figures, policy_version=segment.policy_version,
@@ -89,13 +169,14 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
 
 
 @task(name="acquire", retries=1, cache_policy=NO_CACHE)
-def acquire(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, critic: Manifest | None,
-            charged: Sequence[Manifest]) -> Manifest:
-    upstream = {"segment": segment, **{f"charged_{k}": m for k, m in enumerate(charged)}}
+def acquire(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
+            critic: Manifest | None, charged: Sequence[Manifest]) -> Manifest:
+    upstream = {"segment": segment, "rollout": rollout, **{f"charged_{k}": m for k, m in enumerate(charged)}}
     if critic is not None:
         upstream["critic"] = critic
     return run_stage(ctx, iteration, stage_name(round_idx),
-                     depends_on=ctx.fields("seed", "method", "budget", "acquisition", "advantage.gamma",
-                                           "advantage.lam"),
+                     depends_on={**ctx.fields("seed", "method", "budget", "acquisition", "advantage.gamma",
+                                              "advantage.lam"), "budget_tokens": ctx.budget},
                      upstream=upstream,
-                     compute=lambda scratch: compute(ctx, iteration, round_idx, segment, critic, charged, scratch))
+                     compute=lambda scratch: compute(ctx, iteration, round_idx, segment, rollout, critic, charged,
+                                                     scratch))

@@ -47,7 +47,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     by_id = {t.task_id: t for split in ("train", "heldout") for t in tasks(ctx, split)} if chosen else {}
     starts = segment_starts(state_ids, rollouts=read(ctx, rollout, "rollouts"), episodes=read(ctx, rollout, "episodes"),
                             tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
-    ledger = BudgetLedger(max(0, cfg.budget.total_tokens - spent_tokens(ctx, charged)))
+    ledger = BudgetLedger(max(0, ctx.budget - spent_tokens(ctx, charged)))
     seed = ctx.seed(iteration, stage_name(round_idx))
     with tqdm(total=len(starts), desc=f"it {iteration} branches r{round_idx}", unit="branch", leave=False) as bar:
         episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(
@@ -73,10 +73,12 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     }, schema=schema_for("branches"))
     rows = ledger.rows(run_id=ctx.run_id, iteration=iteration, policy_version=policy.version)
     for row in rows:
-        row["budget"] = cfg.budget.total_tokens  # the iteration's budget, not what was left of it
-    figures = {"continuations": n, "states": len(chosen), "tokens": ledger.spent,
+        row["budget"] = ctx.budget  # the iteration's budget, not what was left of it
+    planned = float(np.dot(counts, plan.column("cost_estimate").to_numpy()))
+    figures = {"continuations": n, "states": len(chosen), "tokens": ledger.spent, "planned_tokens": round(planned),
                "mean_return": float(np.mean([e.reward for e in episodes])) if episodes else 0.0,
-               "budget_cut": sum(e.budget_cut for e in episodes)}
+               "budget_cut": sum(e.budget_cut for e in episodes),
+               "cut_share": sum(e.budget_cut for e in episodes) / n if n else 0.0}
     return StageResult(tables={"branches": branch_table, "rollouts": rollouts, "episodes": episode_table,
                                "budget_ledger": pa.Table.from_pylist(rows, schema=schema_for("budget_ledger"))},
                        figures=figures, policy_version=policy.version, seeds={"branch": seed})
@@ -88,7 +90,8 @@ def branch(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifes
     upstream = {"acquisition": acquisition, "rollout": rollout, "policy": policy,
                 **{f"charged_{k}": m for k, m in enumerate(charged)}}
     return run_stage(ctx, iteration, stage_name(round_idx),
-                     depends_on=ctx.fields("seed", "budget", "agent", "env.name", "env.tier", "env.options"),
+                     depends_on={**ctx.fields("seed", "budget", "agent", "env.name", "env.tier", "env.options"),
+                                 "budget_tokens": ctx.budget},
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, acquisition, rollout, policy,
                                                      charged, scratch))

@@ -1,15 +1,22 @@
-"""Stage 5 — fit_critic (round r): fit the critic ensemble on the returns seen so far this iteration
-and write each state's value.
+"""Stage 5 — fit_critic (round r): fit the critic on every return seen so far this iteration and write the
+value V̂ each segment's advantage will use.
 
-Training data, per distinct state: the own returns of the main episodes that visited it plus the
-returns of its continuations from rounds 0..r (those cut off by the budget are left out: their 0 is
-not the policy's doing). The ensemble (``focus_core.critic``) is refitted from scratch on the
-policy's features of the state. The value used for advantages combines the critic's prior with the
-state's continuation returns by precision (method.md §9.5, T8); a state's own episode return is not
-in that mean, so its advantage is not pulled toward zero by its own outcome.
+Data, per distinct state: the own returns of the main episodes that visited it and the returns of its
+continuations from rounds 0..r, accumulated across rounds (episodes the budget cut off are left out: their
+0 is not the policy's doing). With ``critic.replay_iterations`` the ``critic_data`` of earlier iterations
+joins the fit (their features come from older policies, hence a setting).
 
-VinePPO has no critic: its values are the continuation means (the state's own return where the
-budget left it without continuations). PPO+GAE fits on own returns only (no branches).
+The value used for advantages must not have seen the return it is the baseline of. So it is
+*cross-fitted*: tasks are split into ``critic.folds`` folds, and the states of a fold's tasks get their
+critic prior from an ensemble fitted on the other folds only (all states of a task share s_0, so the fold
+is the task, not the episode). That out-of-fold prior is combined by precision (method.md §9.5, T8) with
+the state's Monte-Carlo returns that are independent of the row's episode: its continuations plus the own
+returns of the *other* main episodes that visited it (s_0 pools its group, leave-one-out). A full ensemble
+on all data is also fitted and checkpointed: it is what the next acquisition round reads.
+
+VinePPO has no critic: its value is the same leave-one-out Monte-Carlo mean, and a state without any
+return gets r_k + V̂(s_{k+1}), as the paper does beyond its value-estimation cap (δ = 0 there).
+PPO+GAE takes its values from the policy's value head (stage advantage); the GRPO family has no values.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from focus_core.acquisition import combine_estimates
+from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
-from focus_core.schemas import schema_for
+from focus_core.schemas import FLOATS, schema_for
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read
 from tasks.stage import RunContext, StageResult, run_stage
+
+FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
 
 def stage_name(round_idx: int) -> str:
@@ -50,61 +60,140 @@ def branch_returns(ctx: RunContext, branches: Sequence[Manifest]) -> dict[str, l
     return returns
 
 
-def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, branches: Sequence[Manifest],
-            scratch: Path) -> StageResult:
+def task_folds(task_ids: Sequence[str], folds: int, seed: int) -> dict[str, int]:
+    """Each distinct task's fold: a seeded shuffle dealt round-robin into min(folds, tasks) folds."""
+    distinct = sorted(set(task_ids))
+    order = np.random.default_rng(seed).permutation(len(distinct))
+    k = max(1, min(folds, len(distinct)))
+    return {distinct[j]: rank % k for rank, j in enumerate(order)}
+
+
+def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
+            branches: Sequence[Manifest], replay: Sequence[Manifest], scratch: Path) -> StageResult:
     cfg = ctx.config
-    if cfg.method in ("grpo", "dr_grpo", "rloo"):
-        return StageResult(skipped=f"{cfg.method} has no critic and no continuations")
+    if cfg.method_row.values not in ("critic", "monte_carlo"):
+        return StageResult(skipped=f"{cfg.method} takes no state values from returns ({cfg.method_row.values})")
     states = read(ctx, segment, "states")
-    state_ids = states.column("state_id").to_pylist()
-    own = states.column("own_return").to_numpy()
+    episodes = read(ctx, rollout, "episodes")
+    task_of = dict(zip(episodes.column("episode_id").to_pylist(), episodes.column("task_id").to_pylist(), strict=True))
+    cut = dict(zip(episodes.column("episode_id").to_pylist(), episodes.column("budget_cut").to_pylist(), strict=True))
+    state_ids = np.array(states.column("state_id").to_pylist(), dtype=object)
+    episode_ids = states.column("episode_id").to_pylist()
+    counted = ~np.array([cut[e] for e in episode_ids])  # a cut main episode's return is no return
+    own = np.where(counted, states.column("own_return").to_numpy(), 0.0)
+
+    distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
     by_state = branch_returns(ctx, branches)
-    n = np.array([len(by_state.get(s, ())) for s in state_ids])
-    mc_mean = np.array([np.mean(by_state[s]) if s in by_state else np.nan for s in state_ids])
-    figures: dict[str, float] = {"states": len(state_ids), "branched_states": int((n > 0).sum()),
-                                 "returns": int(n.sum())}
-    folders = {}
-    if cfg.critic is None:  # VinePPO: Monte-Carlo values only
-        critic_mean = critic_var = None
-        value, value_var = np.where(n > 0, mc_mean, own), None
+    branch_sum = np.array([sum(by_state.get(s, ())) for s in distinct])
+    branch_n = np.array([len(by_state.get(s, ())) for s in distinct], dtype=np.float64)
+    own_sum = np.bincount(inverse, weights=own, minlength=len(distinct))
+    own_n = np.bincount(inverse, weights=counted.astype(float), minlength=len(distinct))
+    # Per row: Monte-Carlo returns independent of the row's own episode (leave its own return out).
+    n = branch_n[inverse] + own_n[inverse] - counted
+    mc_sum = branch_sum[inverse] + own_sum[inverse] - own
+    mc_mean = np.divide(mc_sum, n, out=np.full(len(n), np.nan), where=n > 0)
+    figures: dict[str, float] = {"states": len(state_ids), "branched_states": int((branch_n > 0).sum()),
+                                 "returns": int(branch_n.sum())}
+    folders, tables = {}, {}
+    critic_mean = critic_var = value_var = None
+    if not cfg.uses_critic:  # VinePPO: Monte-Carlo values only
+        value = _fill_from_next(states, mc_mean, n)
     else:
         features = np.array(states.column("features").to_pylist(), dtype=np.float32)
-        # One training row per distinct state: all its own returns and continuation returns.
-        distinct, first, inverse = np.unique(np.array(state_ids, dtype=object), return_index=True,
-                                             return_inverse=True)
-        successes = np.bincount(inverse, weights=own) + np.array([sum(by_state.get(s, ())) for s in distinct])
-        trials = np.bincount(inverse).astype(float) + np.array([len(by_state.get(s, ())) for s in distinct])
-        critic = EnsembleCritic(cfg.critic.model_copy(update={"seed": cfg.critic.seed + ctx.seed(iteration,
-                                stage_name(round_idx)) % 1_000_000}), features.shape[1])
-        report = critic.fit(features[first], successes, trials)
-        critic_mean, critic_var = critic.predict(features)
-        critic_var = np.maximum(critic_var, cfg.acquisition.jitter if cfg.acquisition else 1e-4)
+        tasks_of_state = [task_of[episode_ids[i]] for i in first]
+        fold = task_folds(tasks_of_state, cfg.critic.folds, ctx.seed(iteration, stage_name(0), "folds"))
+        fold_of_state = np.array([fold[t] for t in tasks_of_state])
+        data = {"features": features[first], "successes": own_sum + branch_sum, "trials": own_n + branch_n,
+                "fold": fold_of_state}
+        replayed = _replay_data(ctx, replay, features.shape[1])
+        figures["replay_states"] = len(replayed["trials"])
+        seed = cfg.critic.seed + ctx.seed(iteration, stage_name(round_idx)) % 1_000_000
+
+        def fit(keep: np.ndarray) -> EnsembleCritic | None:
+            x = np.concatenate([data["features"][keep], replayed["features"]])
+            y = np.concatenate([data["successes"][keep], replayed["successes"]])
+            t = np.concatenate([data["trials"][keep], replayed["trials"]])
+            if not (t > 0).any():
+                return None
+            critic = EnsembleCritic(cfg.critic.model_copy(update={"seed": seed}), features.shape[1])
+            critic.fit(x, y, t)
+            return critic
+
+        full = fit(np.ones(len(distinct), dtype=bool))
+        if full is None:
+            raise ValueError(f"[it {iteration}] fit_critic: no state has a return (every main episode was cut by "
+                             f"the budget); fix: a larger budget.tokens_per_iteration")
+        floor = cfg.acquisition.jitter if cfg.acquisition else 1e-4
+        # Out-of-fold prior of every distinct state.
+        prior_mean, prior_var = np.full(len(distinct), FLAT_PRIOR[0]), np.full(len(distinct), FLAT_PRIOR[1])
+        for k in np.unique(fold_of_state):
+            held_out = fold_of_state == k
+            critic = fit(~held_out)
+            if critic is not None:
+                prior_mean[held_out], prior_var[held_out] = critic.predict(data["features"][held_out])
+        prior_var = np.maximum(prior_var, floor)
+        critic_mean, critic_var = prior_mean[inverse], prior_var[inverse]
         value, value_var = combine_estimates(critic_mean, critic_var, mc_mean, n)
-        critic.save(scratch / CRITIC_FOLDER)
+        full.save(scratch / CRITIC_FOLDER)
         folders[CRITIC_FOLDER] = scratch / CRITIC_FOLDER
-        branched = n > 0
-        figures |= {"fit_loss": report.final_loss, "critic_std": float(np.sqrt(critic_var).mean())}
-        if branched.any():  # in-sample fit quality; the out-of-sample check is `focus sql critic_error`
-            figures["critic_vs_mc_mae"] = float(np.abs(critic_mean[branched] - mc_mean[branched]).mean())
+        size = len(distinct)
+        tables["critic_data"] = pa.table({
+            "run_id": [ctx.run_id] * size, "iteration": pa.array([iteration] * size, pa.int32()),
+            "state_id": list(distinct), "policy_version": pa.array([segment.policy_version] * size, pa.int32()),
+            "task_id": tasks_of_state, "fold": pa.array(fold_of_state, pa.int32()),
+            "features": pa.array(list(data["features"]), type=FLOATS),
+            "successes": pa.array(data["successes"], pa.float64()), "trials": pa.array(data["trials"], pa.float64()),
+        }, schema=schema_for("critic_data"))
+        full_mean, full_var = full.predict(data["features"])
+        figures["critic_std"] = float(np.sqrt(full_var).mean())
+        branched = branch_n > 0
+        if branched.any():  # the honest error: out-of-fold prior against the continuations' mean
+            branch_mean = branch_sum[branched] / branch_n[branched]
+            figures["oof_critic_vs_mc_mae"] = float(np.abs(prior_mean[branched] - branch_mean).mean())
+            figures["critic_vs_mc_mae"] = float(np.abs(full_mean[branched] - branch_mean).mean())
     rows = states.num_rows
-    table = pa.table({
+    tables["values"] = pa.table({
         "run_id": states.column("run_id"), "iteration": states.column("iteration"),
         "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
         "state_id": states.column("state_id"), "policy_version": states.column("policy_version"),
         "critic_mean": floats_or_nulls(critic_mean, rows), "critic_var": floats_or_nulls(critic_var, rows),
         "mc_mean": pa.array([None if k == 0 else float(m) for k, m in zip(n, mc_mean, strict=True)], pa.float64()),
-        "n": pa.array(n, pa.int32()), "value": pa.array(value, pa.float64()),
+        "n": pa.array(n.astype(np.int32), pa.int32()), "value": pa.array(value, pa.float64()),
         "value_var": floats_or_nulls(value_var, rows),
     }, schema=schema_for("values"))
     figures["mean_value"] = float(np.mean(value))
-    return StageResult(tables={"values": table}, folders=folders, figures=figures,
-                       policy_version=segment.policy_version)
+    return StageResult(tables=tables, folders=folders, figures=figures, policy_version=segment.policy_version)
+
+
+def _fill_from_next(states: pa.Table, mc_mean: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """VinePPO's values: the MC mean where there is one, else r_k + V̂(s_{k+1}) from the episode's end."""
+    order = np.lexsort((states.column("segment_idx").to_numpy(),
+                        np.array(states.column("episode_id").to_pylist(), dtype=object)))
+    episode = np.array(states.column("episode_id").to_pylist(), dtype=object)[order]
+    lengths = np.diff(np.r_[np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]]), len(episode)])
+    filled = fill_missing_values(states.column("segment_reward").to_numpy()[order], mc_mean[order], n[order] > 0,
+                                 lengths)
+    value = np.empty_like(filled)
+    value[order] = filled
+    return value
+
+
+def _replay_data(ctx: RunContext, replay: Sequence[Manifest], n_features: int) -> dict[str, np.ndarray]:
+    """The ``critic_data`` of earlier iterations' last fits (empty arrays without replay)."""
+    parts = [read(ctx, m, "critic_data") for m in replay if not m.skipped and "critic_data" in m.tables]
+    if not parts:
+        return {"features": np.zeros((0, n_features), np.float32), "successes": np.zeros(0), "trials": np.zeros(0)}
+    table = pa.concat_tables(parts)
+    return {"features": np.array(table.column("features").to_pylist(), dtype=np.float32),
+            "successes": table.column("successes").to_numpy(), "trials": table.column("trials").to_numpy()}
 
 
 @task(name="fit_critic", retries=1, cache_policy=NO_CACHE)
-def fit_critic(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest,
-               branches: Sequence[Manifest]) -> Manifest:
-    upstream = {"segment": segment, **{f"branch_{k}": m for k, m in enumerate(branches)}}
+def fit_critic(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
+               branches: Sequence[Manifest], replay: Sequence[Manifest] = ()) -> Manifest:
+    upstream = {"segment": segment, "rollout": rollout, **{f"branch_{k}": m for k, m in enumerate(branches)},
+                **{f"replay_{k}": m for k, m in enumerate(replay)}}
     return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields("seed", "method", "critic"),
                      upstream=upstream,
-                     compute=lambda scratch: compute(ctx, iteration, round_idx, segment, branches, scratch))
+                     compute=lambda scratch: compute(ctx, iteration, round_idx, segment, rollout, branches, replay,
+                                                     scratch))

@@ -57,3 +57,14 @@ def spent_tokens(ctx: RunContext, manifests: Sequence[Manifest]) -> int:
 def floats_or_nulls(values, n: int) -> pa.Array:
     """A float64 column, or n nulls where a method has no such number (e.g. no critic)."""
     return pa.nulls(n, pa.float64()) if values is None else pa.array(values, pa.float64())
+
+
+def load_value_head(ctx: RunContext, policy: Manifest, loaded: HFPolicy):
+    """The value head stored beside a policy checkpoint (PPO+GAE), or a fresh one for the bootstrap policy."""
+    from focus_core.value_head import ValueHead
+
+    folder = ctx.store.fetch_folder(ctx.run_id, policy.iteration, policy.stage, POLICY_FOLDER)
+    try:
+        return ValueHead.load(folder)
+    except FileNotFoundError:  # the bootstrap checkpoint has no head: every run starts from the same fresh one
+        return ValueHead.for_model(loaded.model, seed=ctx.seed(0, "value_head"))

@@ -43,11 +43,23 @@ KILL_AT_ENV = "FOCUS_KILL_AT"
 
 @dataclass(frozen=True)
 class RunContext:
-    """What every stage of one run knows: where artifacts live, which run, the resolved config."""
+    """What every stage of one run knows: where artifacts live, which run, the resolved config, and
+    B_tok once the bootstrap has measured it (``flows/train.py`` sets it with ``with_budget``)."""
 
     store: ArtifactStore
     run_id: str
     config: FocusConfig
+    budget_tokens: int | None = None
+
+    def with_budget(self, tokens: int) -> RunContext:
+        return RunContext(self.store, self.run_id, self.config, tokens)
+
+    @property
+    def budget(self) -> int:
+        """B_tok: generated tokens per iteration, the same for every method started from one bootstrap."""
+        if self.budget_tokens is None:
+            raise RuntimeError("B_tok is set after the bootstrap stage; call ctx.with_budget(...) first")
+        return self.budget_tokens
 
     def seed(self, iteration: int, stage: str, *keys: Any) -> int:
         """A seed derived from (run seed, iteration, stage, keys): a resumed stage draws the same numbers."""

@@ -1,11 +1,17 @@
-"""Stage 7 — update: PPO-clip on the main rollouts' policy tokens with their segments' advantages.
+"""Stage 7 — update: PPO-clip on the main rollouts' policy tokens with their advantages.
 
 Each segment of each main episode is one training sequence (the context restarts at every
-compression), with exactly the stored token ids and sampling log-probs — nothing is re-tokenized.
-Every policy token of a segment gets the segment's advantage; with ``advantage.whiten`` the token
-advantages are whitened over the batch. ``focus_core.ppo.policy_update`` does the epochs; the new
-checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`` row per step.
-With ``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy.
+compression), with exactly the stored token ids and sampling log-probs — nothing is re-tokenized. Every
+policy token of a segment gets the segment's advantage, or its own token advantage for a token-level
+estimator (``token_advantages``, PPO+GAE, whose value head trains jointly on the stored value targets);
+with ``advantage.whiten`` the token advantages are whitened over the batch. Main episodes the budget cut
+off are left out. The PPO ratio uses log-probs at the sampling temperature ``agent.temperature``.
+
+The optimizer's state (AdamW moments and step counts) is committed inside the policy checkpoint
+(``ppo.save_optimizer_state``, no pickles) and the next iteration continues from it, so a resumed run
+updates exactly as an uninterrupted one. ``focus_core.ppo.policy_update`` does the epochs; the new
+checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`` row per step. With
+``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy.
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ from tqdm.auto import tqdm
 
 from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
-from focus_core.ppo import policy_update
+from focus_core.ppo import load_optimizer_state, policy_update, save_optimizer_state
 from focus_core.rollouts import token_advantages, training_sequences
 from focus_core.schemas import schema_for
-from tasks.inputs import POLICY_FOLDER, policy_at, read
+from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage
 
 STAGE = "update"
@@ -32,34 +38,62 @@ STAGE = "update"
 def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy_manifest: Manifest,
             reference: Manifest, scratch: Path) -> StageResult:
     cfg = ctx.config
-    sequences = training_sequences(read(ctx, rollout, "rollouts"))
-    token_adv = token_advantages(sequences, read(ctx, advantages, "advantages"))
+    episodes = read(ctx, rollout, "episodes")
+    kept = [e for e, cut in zip(episodes.column("episode_id").to_pylist(), episodes.column("budget_cut").to_pylist(),
+                                strict=True) if not cut]
+    sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=kept)
+    value_returns = old_values = None
+    if "token_advantages" in advantages.tables:
+        per_token = _per_sequence(read(ctx, advantages, "token_advantages"), sequences)
+        token_adv, value_returns, old_values = per_token["advantages"], per_token["returns"], per_token["values"]
+    else:
+        token_adv = token_advantages(sequences, read(ctx, advantages, "advantages"))
     if cfg.advantage.whiten:
         flat, mask = np.concatenate(token_adv), np.concatenate([s.loss_mask for s in sequences])
         flat = whiten(flat, mask)
         token_adv = np.split(flat, np.cumsum([len(a) for a in token_adv])[:-1])
     policy = policy_at(ctx, policy_manifest)
+    folder = ctx.store.fetch_folder(ctx.run_id, policy_manifest.iteration, policy_manifest.stage, POLICY_FOLDER)
+    head = load_value_head(ctx, policy_manifest, policy) if value_returns is not None else None
     reference_model = policy_at(ctx, reference).model if cfg.ppo.kl_coef > 0 else None
     seed = ctx.seed(iteration, STAGE)
     with tqdm(desc=f"it {iteration} update", unit="step", leave=False) as bar:
         report = policy_update(policy.model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
-                               seed=seed, progress=lambda row: bar.update(1))
+                               seed=seed, temperature=cfg.agent.temperature,
+                               optimizer_state=load_optimizer_state(folder), value_head=head,
+                               value_returns=value_returns, old_values=old_values, value_coef=cfg.ppo.value_coef,
+                               value_clip=cfg.ppo.value_clip, progress=lambda row: bar.update(1))
     policy.version = policy_manifest.policy_version + 1
     policy.save(scratch / POLICY_FOLDER)
+    save_optimizer_state(report.optimizer_state, scratch / POLICY_FOLDER)
+    if head is not None:
+        head.save(scratch / POLICY_FOLDER)
     rows = [{"run_id": ctx.run_id, "iteration": iteration, "policy_version": policy_manifest.policy_version, **row}
             for row in report.rows]
-    figures = {"steps": len(report.rows), "policy_tokens": report.policy_tokens, "kl": report.kl,
-               "clip_fraction": report.clip_fraction, "entropy": report.entropy, "approx_kl": report.approx_kl,
-               "logprob_gap": report.behaviour_logprob_gap}
+    figures = {"steps": len(report.rows), "sequences": report.sequences, "policy_tokens": report.policy_tokens,
+               "kl": report.kl, "clip_fraction": report.clip_fraction, "entropy": report.entropy,
+               "approx_kl": report.approx_kl, "logprob_gap": report.behaviour_logprob_gap}
+    if report.value_loss is not None:
+        figures["value_loss"] = report.value_loss
     return StageResult(tables={"updates": pa.Table.from_pylist(rows, schema=schema_for("updates"))},
                        folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures,
                        policy_version=policy.version, seeds={"update": seed})
+
+
+def _per_sequence(table: pa.Table, sequences) -> dict[str, list[np.ndarray]]:
+    """The token-level columns of ``token_advantages`` in the order of ``sequences``."""
+    row_of = {key: i for i, key in enumerate(zip(table.column("episode_id").to_pylist(),
+                                                 table.column("segment_idx").to_pylist(), strict=True))}
+    rows = [row_of[(s.episode_id, s.segment_idx)] for s in sequences]
+    return {name: [np.asarray(table.column(name)[r].as_py(), np.float64) for r in rows]
+            for name in ("advantages", "returns", "values")}
 
 
 @task(name="update", retries=1, cache_policy=NO_CACHE)
 def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy: Manifest,
            reference: Manifest) -> Manifest:
     upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference}
-    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields("seed", "ppo", "advantage.whiten"),
+    return run_stage(ctx, iteration, STAGE,
+                     depends_on=ctx.fields("seed", "ppo", "advantage.whiten", "agent.temperature"),
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch))

@@ -247,11 +247,69 @@ def test_shape_errors_name_the_fix():
         segment_td_lambda_batch(np.zeros(3), np.zeros(4), np.array([2, 1]))
 
 
-def test_registry_lists_every_estimator():
+def _pipeline_batch(rng, episodes=5):
+    from focus_core.advantages import AdvantageBatch
+
+    lengths = rng.integers(1, 4, size=episodes)
+    outcomes = rng.integers(0, 2, size=episodes).astype(float)
+    rewards = np.concatenate([[0.0] * (k - 1) + [r] for k, r in zip(lengths, outcomes, strict=True)])
+    masks = [np.r_[0, rng.integers(0, 2, size=rng.integers(2, 6))] for _ in range(int(lengths.sum()))]
+    for m in masks:
+        m[-1] = 1  # every segment has a policy token
+    return AdvantageBatch(rewards=rewards, lengths=lengths, outcomes=outcomes,
+                          groups=np.array(["a", "a", "b", "b", "b"])[:episodes], values=rng.random(int(lengths.sum())),
+                          token_values=[rng.random(len(m)) for m in masks], token_masks=masks)
+
+
+def test_registry_lists_every_estimator_under_one_signature():
+    from focus_core.config import AdvantageConfig
+
     assert set(ADVANTAGE_ESTIMATORS) == {"segment_td_lambda", "vineppo", "grpo", "dr_grpo", "rloo", "gae"}
-    assert get_advantage_estimator("rloo") is rloo_advantages
+    batch, config = _pipeline_batch(np.random.default_rng(0)), AdvantageConfig(lam=0.7)
+    for name, estimator in ADVANTAGE_ESTIMATORS.items():
+        result = estimator(batch, config)
+        n = int(batch.lengths.sum())
+        assert result.advantage.shape == result.value.shape == result.next_value.shape == (n,), name
     with pytest.raises(ValueError, match="known estimators"):
         get_advantage_estimator("reinforce")
+
+
+def test_registry_entries_compute_what_the_formulas_say():
+    from focus_core.config import AdvantageConfig
+
+    batch, config = _pipeline_batch(np.random.default_rng(1)), AdvantageConfig(lam=0.7)
+    per_episode = rloo_advantages(batch.outcomes, batch.groups)
+    np.testing.assert_allclose(get_advantage_estimator("rloo")(batch, config).advantage,
+                               np.repeat(per_episode, batch.lengths))
+    flat = np.insert(batch.values, np.cumsum(batch.lengths), 0.0)
+    expected, _ = segment_td_lambda_batch(batch.rewards, flat, batch.lengths, lam=0.7)
+    np.testing.assert_allclose(get_advantage_estimator("segment_td_lambda")(batch, config).advantage, expected)
+    # gae: one episode's tokens over its segments, in order, equal gae on the concatenation.
+    result = get_advantage_estimator("gae")(batch, config)
+    k = int(batch.lengths[0])
+    mask = np.concatenate(batch.token_masks[:k])
+    values = np.concatenate(batch.token_values[:k])
+    rewards = np.zeros(len(mask))
+    rewards[np.flatnonzero(mask)[-1]] = batch.outcomes[0]
+    direct, _ = gae(rewards, values, mask, gamma=1.0, lam=0.7)
+    np.testing.assert_allclose(np.concatenate(result.token_advantages[:k]), direct)
+
+
+def test_fill_missing_values_t1_style():
+    """VinePPO beyond its cap: a state without returns gets r_k + V(s_{k+1}), so its δ is 0."""
+    from focus_core.advantages import fill_missing_values
+
+    rewards = np.array([0.0, 0.0, 0.0, 1.0])
+    values = np.array([0.5, np.nan, 0.3, np.nan])
+    known = np.array([True, False, True, False])
+    np.testing.assert_allclose(fill_missing_values(rewards, values, known, np.array([4])), [0.5, 0.3, 0.3, 1.0])
+    filled = fill_missing_values(rewards, values, known, np.array([4]))
+    advantage, _ = vineppo_advantages(rewards, np.r_[filled, 0.0])
+    np.testing.assert_allclose(advantage[~known], 0.0)
+    # Two episodes in one ragged batch give the same as each alone.
+    both = fill_missing_values(np.r_[rewards, 0.0, 1.0], np.r_[values, np.nan, np.nan], np.r_[known, False, False],
+                               np.array([4, 2]))
+    np.testing.assert_allclose(both, [0.5, 0.3, 0.3, 1.0, 1.0, 1.0])
 
 
 @given(arrays(np.float64, st.integers(2, 50), elements=st.floats(-5, 5)))

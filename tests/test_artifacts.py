@@ -85,6 +85,7 @@ def updates(steps: int, *, iteration: int = 0, run_id: str = RUN) -> pa.Table:
             "entropy": np.full(steps, 2.0),
             "grad_norm": np.full(steps, 0.7),
             "lr": np.full(steps, 1e-5),
+            "value_loss": pa.nulls(steps, pa.float64()),
         }
     )
 

@@ -40,8 +40,8 @@ def test_defaults_load_as_focus_with_method_md_values():
     assert cfg.acquisition.strategy == "ivr_greedy"
     acquisition = cfg.acquisition
     assert (acquisition.eps_uniform, acquisition.chunk_size, acquisition.max_per_state) == (0.2, 2, 8)
-    assert (acquisition.vine_k, acquisition.rounds, acquisition.n_trust) == (9, 2, 8)
-    assert acquisition.include_own_return_in_shrinkage is False
+    assert (acquisition.vine_k, acquisition.rounds) == (9, 2)
+    assert (cfg.critic.folds, cfg.critic.replay_iterations) == (4, 0)
     assert cfg.critic.members == 5 and cfg.critic.lr == 3e-3 and cfg.critic.prior_precision == 15.0
     assert (cfg.ppo.clip_eps, cfg.ppo.epochs, cfg.ppo.loss_agg) == (0.2, 2, "token_mean")
     assert cfg.uses_branches and cfg.uses_critic and cfg.main_group_size == 4
@@ -61,21 +61,25 @@ def test_shipped_configs_share_one_budget_so_comparisons_are_matched():
     assert len({budget.model_dump_json() for budget in budgets.values()}) == 1
 
 
-# --- budget (T11) -------------------------------------------------------------------------------------
+# --- budget -------------------------------------------------------------------------------------------
 
 
-def test_t11_matched_budget():
-    budget = BudgetConfig(
-        prompts_per_iteration=2, expected_episode_tokens=5000, group_size_grpo=8, group_size_main=4
-    )
-    assert budget.total_tokens == 80_000
-    assert budget.main_tokens == 40_000
-    assert budget.branch_tokens == 40_000
+def test_the_budget_is_measured_unless_given():
+    budget = BudgetConfig()
+    assert budget.tokens_per_iteration is None and budget.measure_episodes == 64
+    assert (budget.prompts_per_iteration, budget.group_size_grpo, budget.group_size_main) == (16, 8, 4)
+    assert BudgetConfig(tokens_per_iteration=10_000).tokens_per_iteration == 10_000
 
 
-def test_explicit_tokens_per_iteration_overrides_the_product():
-    budget = BudgetConfig(tokens_per_iteration=10_000)  # default main rollouts: P·L̄·G_main = 4·250·4 = 4,000
-    assert (budget.total_tokens, budget.branch_tokens) == (10_000, 6_000)
+def test_budget_tokens_is_the_measured_mean_times_p_times_g_grpo():
+    """T11 with a measured L̄: P = 2, L̄ = 5,000, G_grpo = 8 -> B_tok = 80,000, unless given explicitly."""
+    from focus_core.artifacts import Manifest
+    from tasks.bootstrap import budget_tokens
+
+    bootstrap = Manifest(run_id="r", iteration=0, stage="bootstrap", version="v", figures={"mean_episode_tokens": 5000.0})
+    cfg = load_config(None, ["budget.prompts_per_iteration=2"])
+    assert budget_tokens(cfg, bootstrap) == 80_000
+    assert budget_tokens(load_config(None, ["budget.tokens_per_iteration=1234"]), bootstrap) == 1234
 
 
 # --- YAML and overrides -------------------------------------------------------------------------------
@@ -150,7 +154,7 @@ def test_unknown_key_in_yaml_names_the_field_and_allowed_keys(tmp_path):
     path = write_yaml(tmp_path, {"critic": {"memebrs": 3}})
     with pytest.raises(ConfigError) as error:
         load_config(path)
-    assert "critic.memebrs: unknown field (allowed: members, hidden, features_dim" in str(error.value)
+    assert "critic.memebrs: unknown field (allowed: members, hidden, steps" in str(error.value)
 
 
 def test_yaml_top_level_must_be_a_mapping(tmp_path):
@@ -165,7 +169,7 @@ def test_literal_errors_list_the_allowed_values():
         load_config(None, ["acquisition.strategy=ivr", "advantage.trace_mode=tokens"])
     message = str(error.value)
     assert "acquisition.strategy: got 'ivr' (allowed: 'uniform_all', 'uniform_random'" in message
-    assert "'neyman' or 'oracle')" in message
+    assert "'neyman', 'entropy' or 'oracle')" in message
     assert "advantage.trace_mode: got 'tokens' (allowed: 'segment' or 'token_length')" in message
 
 
@@ -195,18 +199,17 @@ def test_config_error_is_a_value_error():
     [
         (
             ["method=grpo", "acquisition.strategy=ivr_greedy"],
-            r"acquisition: grpo is critic-free and does not branch.*set acquisition=null",
+            r"acquisition: grpo does not branch.*set acquisition=null",
         ),
-        (["method=rloo", "critic.members=3"], r"critic: rloo is critic-free"),
+        (["method=rloo", "critic.members=3"], r"critic: rloo takes its values from group"),
         (
             ["method=vineppo", "critic=null", "acquisition.strategy=ivr_greedy"],
-            r"acquisition.strategy: vineppo spreads continuations uniformly.*got ivr_greedy"
-            r".*strategy=uniform_all",
+            r"acquisition.strategy: vineppo is the uniform_all rule, got ivr_greedy.*strategy=uniform_all",
         ),
-        (["method=vineppo", "critic={}"], r"critic: vineppo uses Monte-Carlo values only"),
+        (["method=vineppo", "critic={}"], r"critic: vineppo takes its values from monte_carlo"),
         (
-            ["method=dr_grpo", "ppo.loss_agg=token_mean"],
-            r"ppo.loss_agg: dr_grpo removes the per-sequence length bias",
+            ["method=dr_grpo", "ppo.loss_agg=token_mean", "ppo.constant_normaliser=null"],
+            r"ppo.loss_agg: dr_grpo needs constant",
         ),
         (
             ["acquisition.strategy=oracle"],
@@ -215,7 +218,7 @@ def test_config_error_is_a_value_error():
         (["ppo.loss_agg=constant"], r"ppo.constant_normaliser: required when loss_agg is constant"),
         (["ppo.constant_normaliser=512"], r"ppo.constant_normaliser: only used with loss_agg=constant"),
         (["budget.group_size_main=9"], r"budget.group_size_main: 9 > group_size_grpo 8"),
-        (["budget.tokens_per_iteration=1000"], r"budget.tokens_per_iteration: 1000 is below"),
+        (["budget.tokens_per_iteration=0"], r"budget.tokens_per_iteration: Input should be greater than or equal to 1"),
         (["acquisition.max_per_state=1"], r"acquisition.max_per_state: 1 < chunk_size 2"),
         (["advantage.trace_mode=token_length"], r"advantage.lambda_token_halflife: required"),
         (["advantage.lambda_token_halflife=2000"], r"advantage.lambda_token_halflife: only used with"),
@@ -223,10 +226,10 @@ def test_config_error_is_a_value_error():
             ["advantage.estimator=gae"],
             r"advantage.estimator: method focus uses estimator segment_td_lambda, got gae.*method=ppo_gae",
         ),
-        (["acquisition=null"], r"acquisition: focus needs it"),
+        (["acquisition=null"], r"acquisition: focus branches"),
         (
-            ["method=ppo_gae", "acquisition={}", "critic=null"],
-            r"acquisition: ppo_gae does not branch.*\n.*critic: ppo_gae needs a critic",
+            ["method=ppo_gae", "acquisition={}", "critic={}"],
+            r"critic: ppo_gae takes its values from value_head.*\n.*acquisition: ppo_gae does not branch",
         ),
         (
             ["method=grpo", "budget.group_size_grpo=1", "budget.group_size_main=1"],
@@ -237,11 +240,11 @@ def test_config_error_is_a_value_error():
 def test_unsupported_combinations_fail_fast_with_reason_and_fix(overrides, expected):
     with pytest.raises(ConfigError, match=expected) as error:
         load_config(None, overrides)
-    assert "fix:" in str(error.value)
+    assert "fix:" in str(error.value) or "Input should" in str(error.value)
 
 
 def test_switching_method_on_the_default_file_points_to_the_method_file():
-    with pytest.raises(ConfigError, match=r"acquisition=null; configs/grpo.yaml is a critic-free example"):
+    with pytest.raises(ConfigError, match=r"critic=null; configs/grpo.yaml is an example"):
         load_config(CONFIGS / "default.yaml", ["method=grpo"])
 
 
@@ -264,6 +267,30 @@ def test_every_method_has_a_preset():
         method_defaults("ppo")
 
 
+def test_the_configs_allowed_names_are_the_registries_keys():
+    """One method table: the config's Literals list exactly what the registries hold."""
+    from typing import get_args
+
+    from focus_core.acquisition import STRATEGIES
+    from focus_core.advantages import ADVANTAGE_ESTIMATORS
+    from focus_core.config import EstimatorName, MethodName, StrategyName
+    from focus_core.methods import METHOD_TABLE
+
+    assert set(get_args(MethodName)) == set(METHOD_TABLE)
+    assert set(get_args(EstimatorName)) == set(ADVANTAGE_ESTIMATORS)
+    assert set(get_args(StrategyName)) == set(STRATEGIES)
+    assert {m.estimator for m in METHOD_TABLE.values()} <= set(ADVANTAGE_ESTIMATORS)
+    assert {m.branching for m in METHOD_TABLE.values()} - {None} <= set(STRATEGIES)
+
+
+def test_readme_method_table_is_the_registrys():
+    from focus_core.methods import method_table_markdown
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    assert method_table_markdown() in readme, "regenerate it: python -c 'from focus_core.methods import *; " \
+        "print(method_table_markdown())'"
+
+
 @pytest.mark.parametrize(
     ("method", "extra", "estimator", "strategy", "has_critic", "whiten", "group"),
     [
@@ -272,7 +299,7 @@ def test_every_method_has_a_preset():
         ("grpo", [], "grpo", None, False, False, 8),
         ("dr_grpo", ["ppo.constant_normaliser=4096"], "dr_grpo", None, False, False, 8),
         ("rloo", [], "rloo", None, False, False, 8),
-        ("ppo_gae", [], "gae", None, True, True, 8),
+        ("ppo_gae", [], "gae", None, False, True, 8),
     ],
 )
 def test_method_presets(method, extra, estimator, strategy, has_critic, whiten, group):

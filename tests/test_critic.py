@@ -59,14 +59,17 @@ def test_fit_is_deterministic_for_a_seed_and_differs_across_seeds():
 
 
 def test_states_without_trials_are_ignored():
+    """Zero-trial states change nothing: not the feature scaling, not the bootstrap draws, not the fit."""
     x, y, n, _ = _data(states=100)
     n_masked, y_masked = n.copy(), y.copy()
     n_masked[:30], y_masked[:30] = 0, 0
-    a = make_critic()
+    x_masked = x.copy()
+    x_masked[:30] = 1e3  # far-off features: they would move the scaling if zero-trial states were seen
+    a, b = make_critic(), make_critic()
     a.fit(x[30:], y[30:], n[30:])
-    b = make_critic()
-    # Different first-fit feature statistics aside, the data seen is the same: compare losses.
-    assert b.fit(x, y_masked, n_masked).trials == a.fit(x[30:], y[30:], n[30:]).trials
+    report = b.fit(x_masked, y_masked, n_masked)
+    assert report.states == 70 and report.trials == n[30:].sum()
+    np.testing.assert_array_equal(a.predict_members(x[30:]), b.predict_members(x[30:]))
 
 
 def test_covariance_matches_numpy_and_has_jitter():
@@ -88,7 +91,26 @@ def test_save_load_round_trip(tmp_path):
     loaded = EnsembleCritic.load(tmp_path / "critic")
     np.testing.assert_array_equal(loaded.predict_members(x), critic.predict_members(x))
     assert loaded.config == critic.config and loaded.n_features == 8
-    loaded.fit(x, y, n, warm_start=True)  # keeps training from the loaded weights
+
+
+def test_warm_start_continues_from_the_loaded_weights(tmp_path):
+    x, y, n, _ = _data(states=80)
+    critic = make_critic()
+    critic.fit(x, y, n)
+    critic.save(tmp_path / "critic")
+    one_step = CONFIG.model_copy(update={"steps": 1})
+    warm = EnsembleCritic.load(tmp_path / "critic")
+    warm.config = one_step
+    warm.fit(x[:40], y[:40], n[:40], warm_start=True)
+    cold = EnsembleCritic.load(tmp_path / "critic")
+    cold.config = one_step
+    cold.fit(x[:40], y[:40], n[:40])  # without warm_start: re-initialised, one step from scratch
+    before = critic.predict_members(x)
+    # One step from the loaded weights stays close to them; one step from a fresh init does not.
+    assert np.abs(warm.predict_members(x) - before).mean() < 0.05
+    assert np.abs(cold.predict_members(x) - before).mean() > 3 * np.abs(warm.predict_members(x) - before).mean()
+    # The feature scaling of the first fit is kept (inputs stay on the scale the heads were trained on).
+    np.testing.assert_array_equal(warm.feature_mean.numpy(), critic.feature_mean.numpy())
 
 
 def test_bad_input_is_a_clear_error(tmp_path):

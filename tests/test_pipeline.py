@@ -32,7 +32,7 @@ env: {{name: legal, eval_tasks: 3}}
 model: {{layers: 1, hidden: 32, heads: 2, intermediate: 64, vocab_size: 400}}
 bootstrap: {{demonstrations: 12, epochs: 1, max_seconds: 10000}}
 agent: {{compression: notes, max_turns: 5, max_action_tokens: 40}}
-budget: {{prompts_per_iteration: 2, group_size_grpo: 4, group_size_main: 2, expected_episode_tokens: 120}}
+budget: {{prompts_per_iteration: {prompts}, group_size_grpo: 4, group_size_main: 2, measure_episodes: 8}}
 ppo: {{lr: 1.0e-4, epochs: 1}}
 """
 FOCUS_EXTRA = "acquisition: {rounds: 1, chunk_size: 1}\ncritic: {steps: 10, hidden: 16}\n"
@@ -43,9 +43,10 @@ TABLES = ("rollouts", "episodes", "states", "acquisition", "branches", "values",
           "evaluation", "budget_ledger")
 
 
-def write_config(tmp_path: Path, method: str = "focus", iterations: int = 1) -> Path:
+def write_config(tmp_path: Path, method: str = "focus", iterations: int = 1, prompts: int = 2) -> Path:
     path = tmp_path / f"{method}.yaml"
-    path.write_text(TINY.format(method=method, iterations=iterations) + (FOCUS_EXTRA if method == "focus" else ""))
+    path.write_text(TINY.format(method=method, iterations=iterations, prompts=prompts)
+                    + (FOCUS_EXTRA if method == "focus" else ""))
     return path
 
 
@@ -107,14 +108,16 @@ def test_train_two_iterations_local_then_inspect(tmp_path):
         spent = sum(r["tokens"] for r in table_rows(store, "e2e", "budget_ledger") if r["iteration"] == iteration)
         budget = {r["budget"] for r in table_rows(store, "e2e", "budget_ledger") if r["iteration"] == iteration}
         assert len(budget) == 1 and spent <= budget.pop()
-    # Every named query runs on the finished run.
+    # Every named query runs on the finished run and prints a table with at least one row.
     from flows.sql import NAMED_QUERIES
 
     for name in NAMED_QUERIES:
-        out = focus("sql", "e2e", name, "--store", str(tmp_path / "runs"), cwd=tmp_path)
-        assert out.stdout.strip(), name
+        out = focus("sql", "e2e", name, "--store", str(tmp_path / "runs"), cwd=tmp_path).stdout
+        lines = out.strip().splitlines()
+        assert len(lines) >= 3 and set(lines[1]) <= {"-", " "} and "(0 rows)" not in out, (name, out)
     runs = focus("runs", "--store", str(tmp_path / "runs"), cwd=tmp_path).stdout
-    assert "e2e" in runs and "finished" in runs
+    row = next(line for line in runs.splitlines() if line.startswith("e2e "))
+    assert "finished" in row and " focus " in row and "2/2" in row
 
 
 def test_train_against_seaweedfs_s3(tmp_path, s3_store_root):
@@ -124,8 +127,9 @@ def test_train_against_seaweedfs_s3(tmp_path, s3_store_root):
     assert store.run_info("s3run")["status"] == "finished"
     skipped = store.manifest("s3run", 0, "acquire_r0")
     assert skipped is not None and skipped.skipped  # GRPO records that it does not branch
-    out = focus("sql", "s3run", "reward_trend", "--store", s3_store_root, cwd=tmp_path).stdout
-    assert "0" in out
+    out = focus("sql", "s3run", "--query", "SELECT count(DISTINCT iteration) AS n FROM episodes", "--store",
+                s3_store_root, cwd=tmp_path).stdout
+    assert out.split()[-3:] == ["2", "(1", "rows)"], out  # both iterations' episodes are read back from S3
 
 
 def test_kill_during_every_stage_then_resume_equals_uninterrupted(tmp_path):
@@ -182,3 +186,57 @@ def test_corrupt_part_is_detected_on_resume(tmp_path):
     # The update, the first stage that reads the rollout turns, refused them and committed nothing.
     assert store.manifest("c", 0, "update") is None
     assert pc.sum(store.read_table("c", 0, "evaluate", "evaluation").column("n_turns")).as_py() > 0
+
+
+# --- every method at one budget, from one start ------------------------------------------------------
+
+METHODS = ["focus", "grpo", "dr_grpo", "rloo", "ppo_gae", "vineppo"]
+
+
+@pytest.fixture(scope="module")
+def shared_start(tmp_path_factory):
+    """One store with a 2-iteration FOCUS run whose bootstrap every other method starts from (--init)."""
+    root = tmp_path_factory.mktemp("methods")
+    config = write_config(root, "focus", iterations=2, prompts=12)
+    focus("train", "--config", str(config), "--store", str(root / "runs"), "--run-id", "focus", cwd=root)
+    return root
+
+
+def _bootstrap_weights(store: ArtifactStore, run_id: str) -> bytes:
+    folder = store.fetch_folder(run_id, 0, "bootstrap", "policy")
+    return b"".join(path.read_bytes() for path in sorted(folder.glob("*")))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_spends_the_same_budget_from_the_same_start(shared_start, method):
+    root, store = shared_start, ArtifactStore(shared_start / "runs")
+    if method != "focus":
+        config = write_config(root, method, iterations=2, prompts=12)
+        focus("train", "--config", str(config), "--init", "focus", "--store", str(root / "runs"), "--run-id", method,
+              cwd=root)
+    assert store.run_info(method)["status"] == "finished"
+    # One start: byte-identical bootstrap weights and the same measured B_tok.
+    assert _bootstrap_weights(store, method) == _bootstrap_weights(store, "focus")
+    budget = store.manifest("focus", 0, "bootstrap").figures["budget_tokens"]
+    assert store.manifest(method, 0, "bootstrap").figures["budget_tokens"] == budget
+    ledger, episodes = table_rows(store, method, "budget_ledger"), table_rows(store, method, "episodes")
+    for iteration in (0, 1):
+        spent = sum(r["tokens"] for r in ledger if r["iteration"] == iteration)
+        assert {r["budget"] for r in ledger if r["iteration"] == iteration} == {budget}
+        # The ledger counts every generated token of the committed episodes, main and continuations, once.
+        assert spent == sum(e["generated_tokens"] for e in episodes if e["iteration"] == iteration)
+        assert 0.9 * budget <= spent <= budget, (method, iteration, spent, budget)
+        main = [e for e in episodes if e["iteration"] == iteration and not e["is_branch"]]
+        assert not any(e["budget_cut"] for e in main), "a main episode was cut by the budget"
+    # The optimizer's state travels with the checkpoint (it continues across iterations).
+    folder = store.fetch_folder(method, 1, "update", "policy")
+    assert (folder / "optimizer.safetensors").is_file() and (folder / "optimizer.json").is_file()
+    if method == "ppo_gae":
+        assert (folder / "value_head.safetensors").is_file()
+        assert table_rows(store, method, "token_advantages")
+        assert all(row["value_loss"] is not None for row in table_rows(store, method, "updates"))
+
+
+def test_init_from_a_missing_run_fails_in_one_line(tmp_path):
+    out = focus("train", "--init", "nope", "--store", str(tmp_path / "runs"), cwd=tmp_path, check=False)
+    assert out.returncode == 2 and "--init nope: no committed bootstrap of run 'nope'" in out.stderr

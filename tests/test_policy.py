@@ -1,6 +1,6 @@
-"""Policy backends: token fidelity (sampling log-probs == teacher-forced scores), seeds, stops, shared prefixes,
-the chat tokenizer, and checkpoints. Tiny from-config models only; the SmolLM2 test runs when its GGUF (or the
-converted folder) is present and is skipped otherwise."""
+"""Policy backends: token fidelity (sampling log-probs == teacher-forced ones at the sampling temperature), seeds,
+stops, shared prefixes, the chat tokenizer, and checkpoints. Tiny from-config models only; the SmolLM2 test runs
+when its GGUF (or the converted folder) is present and is skipped otherwise."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from focus_core.policy import (
     train_tokenizer,
 )
 from focus_core.policy import models as policy_models
+from focus_core.ppo import save_optimizer_state
+from focus_core.value_head import ValueHead
 
 CORPUS = [
     f"Search the corpus for entry {i}: search(\"city {i % 7}\") returned {i % 3} results. "
@@ -78,6 +80,16 @@ def _max_score_gap(policy, prompt, generation: Generation) -> float:
     return max(abs(a - b) for a, b in zip(scored, generation.logprobs, strict=True))
 
 
+def _max_tempered_gap(policy, prompt, generation: Generation, temperature: float) -> float:
+    """Like ``_max_score_gap`` against log_softmax(logits / temperature) of one unpadded teacher-forced forward."""
+    ids = torch.tensor([list(prompt) + generation.token_ids[:-1]])
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+    targets = torch.tensor(generation.token_ids)[:, None]
+    tempered = torch.log_softmax(logits / temperature, dim=-1).gather(1, targets)[:, 0]
+    return (tempered - torch.tensor(generation.logprobs)).abs().max().item()
+
+
 # ---------------------------------------------------------------------- sampling
 
 
@@ -86,18 +98,21 @@ def test_policy_satisfies_the_protocol(policy):
     assert not policy.model.training  # from-config models start in train mode (dropout)
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
-def test_sampling_logprobs_equal_teacher_forced_scores(policy, prompts, temperature, top_p):
-    """Batched, left-padded, branched sampling vs one unpadded forward per sample: the logprobs are those of the
-    raw logits whatever the sampling temperature and top-p."""
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.3, 1.0)])
+def test_sampling_logprobs_equal_teacher_forced_ones_at_the_sampling_temperature(policy, prompts, temperature, top_p):
+    """Batched, left-padded, branched sampling vs one unpadded forward per sample: the logprobs are those of
+    log_softmax(logits / temperature), the distribution sampled from, without the top-p truncation; at
+    temperature 1 they are ``score``'s, and at any other they are not."""
     short, long = prompts
     assert len(short) != len(long)
     result = policy.generate(
         [short, long], n=4, max_new_tokens=48, temperature=temperature, top_p=top_p, stop_token_ids=set(), seed=11
     )
     assert [len(group) for group in result] == [4, 4]
-    gaps = [_max_score_gap(policy, p, g) for p, group in zip((short, long), result, strict=True) for g in group]
-    assert max(gaps) <= 1e-4
+    pairs = [(p, g) for p, group in zip((short, long), result, strict=True) for g in group]
+    assert max(_max_tempered_gap(policy, p, g, temperature) for p, g in pairs) <= 1e-4
+    untempered = max(_max_score_gap(policy, p, g) for p, g in pairs)
+    assert untempered <= 1e-4 if temperature == 1.0 else untempered > 1e-2
     assert all(g.finish_reason == "length" and len(g.token_ids) == 48 for group in result for g in group)
     assert len({tuple(g.token_ids) for g in result[1]}) > 1  # the branches really differ
 
@@ -282,6 +297,11 @@ def test_checkpoint_round_trip_through_a_local_folder(policy, prompts, tmp_path)
     assert fresh.score(long, [5, 6, 7]) == pytest.approx(policy.score(long, [5, 6, 7]), abs=1e-6)
     fresh.load_weights(folder, version=4)
     assert fresh.version == 4
+    # Other safetensors in the folder (the optimizer state, a value head) are not taken for weights.
+    ValueHead.for_model(policy.model).save(folder)
+    save_optimizer_state({"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": []}, folder)
+    fresh.load_weights(folder)
+    assert fresh.score(long, [5, 6, 7]) == pytest.approx(policy.score(long, [5, 6, 7]), abs=1e-6)
     bigger = tiny_policy(policy.tokenizer, **{**SMALL, "hidden": 128})
     with pytest.raises(RuntimeError, match="size mismatch"):
         bigger.load_weights(folder)

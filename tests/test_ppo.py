@@ -1,6 +1,7 @@
-"""Policy update: the trainer recomputes the sampler's log-probs (ratio 1 on the first step), advantages move
-log-probs the right way, zero advantages move nothing, masked positions are inert, the two loss aggregations scale
-as documented, clipping starts after the first step, and bad numbers fail loudly."""
+"""Policy update: the trainer recomputes the sampler's log-probs at the sampling temperature (ratio 1 on the first
+step), advantages move log-probs the right way, zero advantages move nothing, masked positions are inert, the two
+loss aggregations scale as documented, clipping starts after the first step, the optimizer state survives a
+checkpoint bit for bit, and bad numbers fail loudly."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import torch
 
 from focus_core.config import PPOConfig
 from focus_core.policy import chat_ids, tiny_policy, train_tokenizer
-from focus_core.ppo import TrainingSequence, UpdateReport, policy_update, sequence_logprobs
+from focus_core.ppo import (
+    OPTIMIZER_JSON,
+    OPTIMIZER_TENSORS,
+    TrainingSequence,
+    UpdateReport,
+    load_optimizer_state,
+    policy_update,
+    save_optimizer_state,
+    sequence_logprobs,
+)
 
 CORPUS = [
     f'search("city {i % 7}") returned {i % 3} results. open(doc_{i}) -> The answer is {i * 7 % 13}.\n'
@@ -20,6 +30,9 @@ CORPUS = [
 ]
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "max_context": 256}
 ROW_KEYS = ["epoch", "step", "loss", "policy_loss", "kl", "clip_fraction", "entropy", "grad_norm", "lr"]
+# How the ``sampled`` fixture samples; T is what every update of those sequences must be told.
+T = 0.7
+SAMPLING = {"temperature": T, "top_p": 0.9}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,13 +51,13 @@ def policy():
 @pytest.fixture(scope="module")
 def sampled(policy):
     """Sequences as rollouts store them: a single turn of two prompt lengths, and a two-turn sequence whose tool
-    output sits between two trained spans (mask 0, 1…1, 0…0, 1…1), sampled at temperature 0.7 and top-p 0.9."""
+    output sits between two trained spans (mask 0, 1…1, 0…0, 1…1), sampled at temperature T = 0.7 and top-p 0.9."""
     tok = policy.tokenizer
     prompts = [
         chat_ids(tok, [{"role": "user", "content": text}], add_generation_prompt=True)
         for text in ("Find city 3.", "Which entry says the answer is 5? Search the corpus for it.")
     ]
-    sample = {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "stop_token_ids": set()}
+    sample = {"max_new_tokens": 16, "stop_token_ids": set(), **SAMPLING}
     sequences = []
     for prompt, group in zip(prompts, policy.generate(prompts, n=2, seed=1, **sample), strict=True):
         for g in group:
@@ -80,31 +93,34 @@ def _advantages(sequences, value=None, seed=0):
 
 
 def _update(policy, sequences, advantages, **kw) -> tuple[torch.nn.Module, UpdateReport]:
+    """An update of a copy of the policy's model; at the sampling temperature T unless told otherwise."""
     model = copy.deepcopy(policy.model)
     config = PPOConfig(**{"epochs": 1, "lr": 1e-3, **kw.pop("config", {})})
-    return model, policy_update(model, sequences, advantages, config, **kw)
+    return model, policy_update(model, sequences, advantages, config, **{"temperature": T, **kw})
 
 
 def _trained_logprob(model, sequence) -> float:
-    return float(sequence_logprobs(model, [sequence])[0].sum())
+    return float(sequence_logprobs(model, [sequence], temperature=T)[0].sum())
 
 
 # ---------------------------------------------------------------------- fidelity
 
 
 def test_trainer_recomputes_the_sampler_logprobs(policy, sampled):
-    """Right-padded batches of different lengths, with a tool span in the middle: the same log-probs as the
-    left-padded branched sampler and as the unpadded ``score``; so the first step's ratio is 1."""
-    batched = sequence_logprobs(policy.model, sampled)
-    alone = [sequence_logprobs(policy.model, [s])[0] for s in sampled]
-    for seq, together, single in zip(sampled, batched, alone, strict=True):
+    """Right-padded batches of different lengths, with a tool span in the middle: at the sampling temperature the
+    same log-probs as the left-padded branched sampler, and untempered the same as the unpadded ``score``; so the
+    first step's ratio is 1."""
+    batched = sequence_logprobs(policy.model, sampled, temperature=T)
+    alone = [sequence_logprobs(policy.model, [s], temperature=T)[0] for s in sampled]
+    untempered = sequence_logprobs(policy.model, sampled)
+    for seq, together, single, raw in zip(sampled, batched, alone, untempered, strict=True):
         trained = seq.loss_mask == 1
         assert np.abs(together - seq.old_logprobs)[trained].max() < 1e-4
         np.testing.assert_allclose(together, single, atol=1e-5)
         assert not together[~trained].any()
         start = int(np.argmax(trained))
         scored = policy.score(list(seq.token_ids[:start]), list(seq.token_ids[start:]))
-        np.testing.assert_allclose(together[start:][trained[start:]], np.array(scored)[trained[start:]], atol=1e-5)
+        np.testing.assert_allclose(raw[start:][trained[start:]], np.array(scored)[trained[start:]], atol=1e-5)
 
     _, report = _update(policy, sampled, _advantages(sampled), config={"epochs": 2})
     assert report.behaviour_logprob_gap < 1e-4  # |ratio − 1| < 1e-4 on every token of the first step
@@ -113,6 +129,23 @@ def test_trainer_recomputes_the_sampler_logprobs(policy, sampled):
     assert [list(row) for row in report.rows] == [ROW_KEYS] * len(report.rows)
     assert report.sequences == len(sampled) and report.policy_tokens == sum(int(s.loss_mask.sum()) for s in sampled)
     assert report.tokens == sum(len(s.token_ids) for s in sampled)
+
+
+def test_the_ratio_is_taken_at_the_sampling_temperature(policy, sampled):
+    """``sampled`` was drawn at T = 0.7 with top-p 0.9. The sampler stores log_softmax(logits / T), without top-p,
+    and an update told T recomputes exactly that: ratio 1 on its first, on-policy minibatch. Untempered log-probs
+    on the trainer's side (temperature 1, what both sides used to compute) start the update off-policy."""
+    advantages = _advantages(sampled)
+    _, tempered = _update(policy, sampled, advantages)
+    _, untempered = _update(policy, sampled, advantages, temperature=1.0)
+    assert tempered.behaviour_logprob_gap < 1e-4
+    assert untempered.behaviour_logprob_gap > 1e-2
+    assert tempered.rows[0]["clip_fraction"] == 0.0
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature=.* must be > 0"):
+            _update(policy, sampled, advantages, temperature=bad)
+        with pytest.raises(ValueError, match="temperature=.* must be > 0"):
+            sequence_logprobs(policy.model, sampled, temperature=bad)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -166,7 +199,7 @@ def test_constant_normaliser_scaling(policy):
         sequences.append(TrainingSequence(rng.integers(0, 400, size=length), np.zeros(length), mask))
     sequences = [
         TrainingSequence(s.token_ids, lp, s.loss_mask)
-        for s, lp in zip(sequences, sequence_logprobs(policy.model, sequences), strict=True)
+        for s, lp in zip(sequences, sequence_logprobs(policy.model, sequences, temperature=T), strict=True)
     ]
     advantages = _advantages(sequences, seed=1)
     # A negligible rate keeps the weights (and so the per-step sums) the same in both runs.
@@ -211,6 +244,68 @@ def test_optimizer_state_carries_over_with_this_calls_rate(policy, sampled):
     assert second.rows[0]["lr"] == 5e-4
     assert second.optimizer_state["state"][0]["step"].item() == 2
     assert second.optimizer_state["param_groups"][0]["lr"] == 5e-4
+
+
+def _assert_same(a, b, path="state") -> None:
+    """Equal all the way down, types included: tensors bit for bit with their dtype, tuples stay tuples, integer
+    keys stay integers (JSON alone would turn them into lists and strings)."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for key in a:
+            _assert_same(a[key], b[key], f"{path}/{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def test_optimizer_state_round_trips_through_a_folder_without_pickles(policy, sampled, tmp_path):
+    _, report = _update(policy, sampled, _advantages(sampled))
+    state = report.optimizer_state
+    assert load_optimizer_state(tmp_path) is None  # no optimizer files: a fresh start
+    save_optimizer_state(state, tmp_path / "ckpt")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == sorted([OPTIMIZER_JSON, OPTIMIZER_TENSORS])
+    loaded = load_optimizer_state(tmp_path / "ckpt")
+    _assert_same(state, loaded)
+    assert loaded["param_groups"][0]["betas"] == (0.9, 0.999) and len(loaded["state"]) == len(state["state"])
+    torch.optim.AdamW(copy.deepcopy(policy.model).parameters()).load_state_dict(loaded)
+
+    # Whatever else a state may hold: other dtypes, 0-d tensors, non-finite hyper-parameters, nesting.
+    odd = {"state": {3: {"step": torch.tensor(7.0), "m": torch.ones(2, 3, dtype=torch.bfloat16)}},
+           "param_groups": [{"lr": 1e-3, "eps": float("inf"), "betas": (0.5, 0.25), "params": [3], "fused": None,
+                             "note": "x", "flags": [True, 2, (1, [0.1])]}]}
+    save_optimizer_state(odd, tmp_path / "odd")
+    _assert_same(odd, load_optimizer_state(tmp_path / "odd"))
+    with pytest.raises(TypeError, match="cannot store a set at param_groups/0/bad"):
+        save_optimizer_state({"param_groups": [{"bad": {1, 2}}]}, tmp_path / "bad")
+
+    (tmp_path / "ckpt" / OPTIMIZER_TENSORS).unlink()
+    with pytest.raises(FileNotFoundError, match=f"has one optimizer file but not {OPTIMIZER_TENSORS}"):
+        load_optimizer_state(tmp_path / "ckpt")
+
+
+def test_a_checkpointed_optimizer_state_continues_bit_for_bit(policy, sampled, tmp_path):
+    """Two updates with the state carried through save/load take exactly the steps of two updates that kept it in
+    memory; a fresh optimizer for the second takes other steps (so the comparison can fail)."""
+    advantages = _advantages(sampled)
+    kw = {"batch_tokens": 96, "seed": 1, "temperature": T}
+    model, first = _update(policy, sampled, advantages, **kw)
+    save_optimizer_state(first.optimizer_state, tmp_path)  # before the in-memory run continues it in place
+    resumed, fresh = copy.deepcopy(model), copy.deepcopy(model)
+    config = PPOConfig(epochs=2, lr=1e-3)
+    kept = policy_update(model, sampled, advantages, config, optimizer_state=first.optimizer_state, **kw)
+    again = policy_update(resumed, sampled, advantages, config, optimizer_state=load_optimizer_state(tmp_path), **kw)
+    policy_update(fresh, sampled, advantages, config, **kw)
+    assert len(kept.rows) > 2 and [r["loss"] for r in kept.rows] == [r["loss"] for r in again.rows]
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, resumed.state_dict()[name]), name
+    assert not all(torch.equal(weight, fresh.state_dict()[name]) for name, weight in model.state_dict().items())
+    _assert_same(kept.optimizer_state, again.optimizer_state)
 
 
 # ---------------------------------------------------------------------- failures

@@ -143,6 +143,25 @@ def example_row(table: str) -> dict:
             "entropy": 1.7,
             "grad_norm": 0.8,
             "lr": 1e-6,
+            "value_loss": None,
+        },
+        "critic_data": {
+            **RUN,
+            "state_id": STATE,
+            "task_id": "task-7",
+            "fold": 2,
+            "features": [0.1, -0.2, 0.3],
+            "successes": 2.0,
+            "trials": 3.0,
+        },
+        "token_advantages": {
+            **RUN,
+            "episode_id": EPISODE,
+            "segment_idx": 1,
+            "state_id": STATE,
+            "values": [0.0, 0.4, 0.5],
+            "advantages": [0.0, 0.1, -0.2],
+            "returns": [0.0, 0.5, 0.3],
         },
         "evaluation": {
             **RUN,
@@ -177,6 +196,8 @@ def test_all_design_tables_are_defined():
         "updates",
         "evaluation",
         "budget_ledger",
+        "critic_data",
+        "token_advantages",
     }
 
 

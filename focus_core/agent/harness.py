@@ -217,8 +217,9 @@ class AgentRunner:
         """Play one episode per task from its initial state, and one continuation per given start.
 
         With a ``ledger``, every generated token is charged to it (actions as ``kind``, compression
-        summaries as ``summary``) and the budget is never exceeded: before each step, episodes whose
-        worst-case step would not fit are cut off (``truncated`` and ``budget_cut`` set, reward 0).
+        summaries as ``summary``) and the budget is never exceeded, without reserving more than the tokens
+        generation actually needs (``_step_within_budget``). An episode the budget truly cannot pay for is cut
+        off (``truncated`` and ``budget_cut`` set, reward 0); which one is random, from ``seed``.
         """
         active = []
         for task in tasks:
@@ -231,15 +232,11 @@ class AgentRunner:
         while active:
             for a in active:
                 self._maybe_start_compression(a)
-            if ledger is not None:
-                active = self._fit_budget(active, ledger)
-                before = [a.episode.generated_tokens for a in active]
-                summarizing = [a.summarizing for a in active]
-            self._generate(active, seed=seed * 100_003 + step)
-            if ledger is not None:
-                for a, tokens, summary in zip(active, before, summarizing, strict=True):
-                    ledger.charge("summary" if summary else kind, a.episode.generated_tokens - tokens,
-                                  round_idx=round_idx)
+            step_seed = seed * 100_003 + step
+            if ledger is None:
+                self._generate(active, seed=step_seed)
+            else:
+                self._step_within_budget(active, ledger, step_seed, kind, round_idx)
             active = [a for a in active if not (a.episode.done or a.episode.truncated)]
             step += 1
             if progress:
@@ -249,13 +246,48 @@ class AgentRunner:
     def _step_tokens(self, a: _Active) -> int:
         return self.config.max_summary_tokens if a.summarizing else self.config.max_action_tokens
 
-    def _fit_budget(self, active: list[_Active], ledger: BudgetLedger) -> list[_Active]:
-        """Cut episodes (last started first) until the worst case of this step fits the ledger."""
-        kept = list(active)
-        while kept and sum(self._step_tokens(a) for a in kept) > ledger.remaining:
-            cut = kept.pop()
-            cut.episode.truncated = cut.episode.budget_cut = True
-        return kept
+    def _step_within_budget(self, active: list[_Active], ledger: BudgetLedger, seed: int, kind: str,
+                            round_idx: int) -> None:
+        """One step of every active episode, paid from ``ledger`` without ever overspending it.
+
+        Episodes go in a random order (seeded). Each sub-batch is the longest run of that order whose
+        worst case (``max_action_tokens`` each) fits what is left; the ledger is then charged what was
+        actually generated, so the next sub-batch sees the true remainder — a reservation never
+        outlives its sub-batch. Once not even one worst case fits, the next episode generates alone
+        with at most the tokens left; if it needed more (no end token within them), it is cut. When
+        nothing is left, the rest are cut: the cut falls on random episodes, not on the last started.
+        """
+        if sum(self._step_tokens(a) for a in active) <= ledger.remaining:
+            order = list(active)  # the whole step fits: generate it as an unbudgeted run would
+        else:
+            order = [active[i] for i in np.random.default_rng(seed).permutation(len(active))]
+        sub_batch = 0
+        while order:
+            take, worst = 0, 0
+            while take < len(order) and worst + self._step_tokens(order[take]) <= ledger.remaining:
+                worst += self._step_tokens(order[take])
+                take += 1
+            cap = None
+            if take == 0:
+                if ledger.remaining == 0:
+                    for a in order:
+                        a.episode.truncated = a.episode.budget_cut = True
+                    return
+                take, cap = 1, ledger.remaining
+            batch, order = order[:take], order[take:]
+            before = [(a.episode.generated_tokens, a.summarizing) for a in batch]
+            self._generate(batch, seed=seed if sub_batch == 0 else seed * 31 + sub_batch, cap=cap)
+            sub_batch += 1
+            for a, (tokens, summary) in zip(batch, before, strict=True):
+                spent = a.episode.generated_tokens - tokens
+                ledger.charge("summary" if summary else kind, spent, round_idx=round_idx)
+                if cap is not None and spent >= cap and not a.episode.done and not self._ended_turn(a):
+                    a.episode.truncated = a.episode.budget_cut = True
+
+    def _ended_turn(self, a: _Active) -> bool:
+        """Whether the last generated message ended with an end-of-turn token (it was not cut short)."""
+        generated = [t for t in a.episode.turns if t.role in ("policy", "summary")]
+        return bool(generated) and bool(generated[-1].token_ids) and generated[-1].token_ids[-1] in self.stop_ids
 
     def _maybe_start_compression(self, a: _Active) -> None:
         cfg = self.config
@@ -274,10 +306,13 @@ class AgentRunner:
                                           a.segment_idx, a.turn_idx))
         a.summarizing = True
 
-    def _generate(self, active: list[_Active], seed: int) -> None:
+    def _generate(self, active: list[_Active], seed: int, cap: int | None = None) -> None:
         if isinstance(self.actor, ScriptedActor):  # the expert reads the task and history, not tokens
             for a in active:
-                self._consume(a, self.actor.respond(a.env, a.episode.task, a.history, a.notes, a.summarizing))
+                sample = self.actor.respond(a.env, a.episode.task, a.history, a.notes, a.summarizing)
+                if cap is not None:  # the budget's last tokens: the expert's message is cut like a model's
+                    sample = type(sample)(sample.token_ids[:cap], sample.logprobs[:cap])
+                self._consume(a, sample)
             return
         # Identical prompts (continuations from one state) are generated together: one prefix, n samples.
         groups: dict[tuple[int, ...], list[_Active]] = {}
@@ -286,6 +321,7 @@ class AgentRunner:
         by_budget: dict[int, list[tuple[int, ...]]] = {}
         for prompt, members in groups.items():
             budget = self.config.max_summary_tokens if members[0].summarizing else self.config.max_action_tokens
+            budget = budget if cap is None else min(budget, cap)
             by_budget.setdefault(budget, []).append(prompt)
         for budget, prompts in by_budget.items():
             # Generate per group size so every group gets exactly as many samples as it has members.

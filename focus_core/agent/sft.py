@@ -67,8 +67,9 @@ def warm_start(env_factory: Callable[[], ToolEnv], train_tasks: Sequence[Task], 
                          max_context=model_config.max_context)
     report = supervised_finetune(policy.model, segment_sequences(demonstrations), lr=bootstrap.lr,
                                  batch_tokens=bootstrap.batch_tokens, epochs=bootstrap.epochs,
-                                 max_seconds=bootstrap.max_seconds, seed=seed, pad_id=tokenizer.pad_token_id,
-                                 context_weight=bootstrap.context_weight, progress=progress)
+                                 max_seconds=bootstrap.max_seconds, max_steps=bootstrap.max_steps, seed=seed,
+                                 pad_id=tokenizer.pad_token_id, context_weight=bootstrap.context_weight,
+                                 progress=progress)
     return policy, report
 
 
@@ -96,10 +97,13 @@ def segment_sequences(episodes: Sequence[AgentEpisode]) -> list[tuple[list[int],
 
 def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[int], list[int]]], *,
                         lr: float = 1e-3, batch_tokens: int = 8192, epochs: float = 3.0, max_seconds: float = 300.0,
-                        seed: int = 0, pad_id: int = 0, context_weight: float = 0.0,
+                        max_steps: int | None = None, seed: int = 0, pad_id: int = 0, context_weight: float = 0.0,
                         progress: Callable[[int, float], None] | None = None) -> SFTReport:
     """Causal-LM loss on the labelled tokens (plus ``context_weight`` times the loss on the rest, see
-    ``labelled_token_loss``), AdamW with linear decay, until ``epochs`` or ``max_seconds``.
+    ``labelled_token_loss``), AdamW with linear decay, until ``epochs``, ``max_steps`` or ``max_seconds``.
+
+    ``max_steps`` makes the result independent of the machine's speed (the decay schedule then runs over
+    ``max_steps`` steps); ``max_seconds`` alone stops wherever the clock says.
 
     Batches group sequences of similar length up to ``batch_tokens`` padded tokens.
     """
@@ -118,6 +122,8 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
     batches.append(current)
 
     total_steps = max(1, int(epochs * len(batches)))
+    if max_steps is not None:
+        total_steps = min(total_steps, max_steps)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.05, 1 - step / total_steps))
     model.train()

@@ -1,10 +1,12 @@
 """The policy interface the agent harness and the stages call, whatever the backend (``hf`` here, ``vllm`` later).
 
-Log-probabilities, everywhere in FOCUS, are ``log_softmax(raw logits)`` in fp32: the model's distribution at
-temperature 1 with no top-p truncation, whatever temperature and top-p were used to *sample*. They are what
-``score`` returns for the same tokens, which is what the PPO ratio, the KL estimate and the stored rollouts need
-(importance weights are always taken against the untempered model). A backend that can only report tempered or
-truncated log-probabilities must convert or re-score before it hands them out.
+Sampled log-probabilities (``Generation.logprobs``, stored in the rollouts) are those of the distribution sampled
+from, ``log_softmax(raw logits / temperature)`` in fp32, without top-p truncation (greedy, temperature 0, keeps the
+untempered ones). The PPO ratio compares them with the trainer's recomputation at the same temperature
+(``ppo.policy_update(..., temperature=T)``), so both sides must be the same quantity; top-p is left out on both
+sides because the trainer cannot follow a nucleus that moves with the weights (as in verl). ``score`` returns the
+untempered log-probs, equal to the sampled ones at temperature 1. A backend that can only report other
+log-probabilities (untempered, or top-p truncated) must convert or re-score before it hands them out.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ FinishReason = Literal["stop", "length"]
 class Generation:
     """One sampled continuation of a prompt.
 
-    ``logprobs[i]`` is the fp32 log-probability of ``token_ids[i]`` under the raw logits (log_softmax at
-    temperature 1, no top-p): equal, within 1e-4, to what ``Policy.score`` returns for the same tokens.
+    ``logprobs[i]`` is the fp32 log-probability of ``token_ids[i]`` at the sampling temperature T,
+    log_softmax(raw logits / T) with no top-p (untempered for T = 0): equal, within 1e-4, to
+    ``ppo.sequence_logprobs(..., temperature=T)``, and at T = 1 to what ``Policy.score`` returns.
     ``finish_reason`` is ``"stop"`` when the last token is a stop token (it is included in ``token_ids``) and
     ``"length"`` when ``max_new_tokens`` or the model's context ran out first.
     """

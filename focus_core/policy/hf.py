@@ -1,9 +1,10 @@
 """The ``hf`` backend: a transformers causal LM in this process, sampled with our own KV-cache decode loop.
 
-Why not ``model.generate``: we need (1) log-probabilities of the raw logits, not of the processed (tempered,
-top-p) scores that ``generate`` reports; (2) the ``n`` branches of a prompt to share one forward pass over the
-prompt *and one copy of its keys/values*; (3) a random stream per sample, so a branch's tokens depend on its seed
-and not on what else is in the batch. The loop:
+Why not ``model.generate``: we need (1) log-probabilities at the sampling temperature without the top-p truncation,
+log_softmax(logits / T), which is exactly what the trainer recomputes (``ppo.py``), whereas ``generate`` reports
+the fully processed scores (the nucleus's −inf included); (2) the ``n`` branches of a prompt to share one forward
+pass over the prompt *and one copy of its keys/values*; (3) a random stream per sample, so a branch's tokens
+depend on its seed and not on what else is in the batch. The loop:
 
     prefill   all prompts, left-padded, one forward with explicit position ids; logits of the last position only
     branch    row r of the decode batch is sample r % n of prompt r // n; the prompt K/V stay one copy per prompt
@@ -17,9 +18,11 @@ CI machine, 8 × 64 tokens from a 1,024-token state then took 2.0-2.6x as long a
 shared prefix it is 1.3-1.6x, most of it the one unavoidable prefill (bench/branching.py). It also keeps memory
 at one copy of the prompt per state.
 
-``score`` runs the model over prompt + completion in one unpadded forward with its stock attention. Position ids
-are explicit in both paths (left padding would otherwise shift the rotary positions), so the two agree to float
-rounding (~1e-6 in fp32).
+``score`` runs the model over prompt + completion in one unpadded forward with its stock attention and returns
+untempered log-probs. Position ids are explicit in both paths (left padding would otherwise shift the rotary
+positions), so at temperature 1 and 0 (greedy keeps untempered log-probs) the two agree to float rounding (~1e-6
+in fp32); at another temperature the sampler's log-probs are tempered and ``ppo.sequence_logprobs(...,
+temperature=T)`` is the matching re-score.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class HFPolicy:
             for step in itertools.count(1):
                 live_rows = live.tolist()
                 tokens = _sample(logits, temperature, top_p, [generators[r] for r in live_rows])
-                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+                logprobs = _sampled_logprobs(logits, tokens, temperature)
                 for row, token, logprob in zip(live_rows, tokens.tolist(), logprobs.tolist(), strict=True):
                     tokens_out[row].append(token)
                     logprobs_out[row].append(logprob)
@@ -251,12 +254,16 @@ class HFPolicy:
     def load_weights(self, path: str | Path, version: int | None = None) -> None:
         """Load the weights of a checkpoint folder into this model (same architecture).
 
-        ``version`` defaults to the one saved with the checkpoint, else the current version + 1.
+        ``version`` defaults to the one saved with the checkpoint, else the current version + 1. Only the model's
+        own files are read (``model.safetensors``, or its shards ``model-*-of-*.safetensors``): a checkpoint folder
+        may also hold other safetensors, such as the optimizer state and a value head.
         """
         path = Path(path)
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(path.glob("model*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"load_weights: no *.safetensors in {path} (expected a folder written by save)")
+            raise FileNotFoundError(
+                f"load_weights: no model*.safetensors in {path} (expected a folder written by save)"
+            )
         state: dict[str, torch.Tensor] = {}
         for file in files:
             state.update(load_file(file, device=str(self.device)))
@@ -454,6 +461,14 @@ def _row_seed(seed: int, prompt_index: int | None, sample_index: int) -> int:
     """A 63-bit seed for one sample's random stream, stable across processes and Python versions."""
     key = f"{seed}:{prompt_index}:{sample_index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def _sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log_softmax(logits / temperature) of the drawn tokens: the distribution ``_sample`` draws from, before
+    its top-p truncation (the trainer cannot reproduce a nucleus that moves with the weights; see ``ppo.py``).
+    Greedy decoding (temperature 0) has no distribution and keeps the untempered log-probs."""
+    scaled = logits.float() if temperature == 0 else logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]) -> torch.Tensor:
