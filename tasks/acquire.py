@@ -4,13 +4,16 @@ values the critic knows worst (``focus_core.acquisition``).
 Candidates are the distinct states of the iteration's main episodes (every main episode of a task
 starts in the same s_0, so a state id can occur several times): each is weighted by how much its
 value error moves the advantages (W_k of its segment index, method.md §5.3) times its occurrences,
-and priced at the tokens one continuation is expected to cost (``continuation_cost``); it carries every
-return it already has (own returns of its main episodes, earlier rounds' continuations), which the
-per-state cap and the critic-driven strategies count. The round's budget is
-what the ledger has left after the main rollouts and earlier rounds, split evenly over the rounds
-still to run. Without a critic yet (FOCUS's first round of iteration 0) the states are drawn
-uniformly at random, and the table says so. ``entropy`` (ARPO/AEPO-style) reads the policy's next-action
-entropy at each state from the rollouts' own log-probs.
+and priced at the tokens one continuation is expected to cost (``continuation_cost``, rescaled by the
+actual/planned spend of earlier rounds). Each carries every return it already has (own returns of its
+main episodes, earlier rounds' continuations), which the per-state cap and the critic-driven
+strategies count. The round's budget is what the ledger has left after the main rollouts and earlier
+rounds, split evenly over the rounds still to run; the last round plans one standard deviation of its
+spend below that (``margin``), since no later round can absorb an overspend.
+
+Without a critic yet (FOCUS's first round of iteration 0) the states are drawn uniformly at random,
+and the table says so. ``entropy`` (ARPO/AEPO-style) reads the policy's next-action entropy at each
+state from the rollouts' own log-probs.
 """
 
 from __future__ import annotations
@@ -97,6 +100,20 @@ def continuation_cost(all_states: pa.Table, row_state: np.ndarray, occurrences: 
     return (total + prior) / (count + 1)
 
 
+def cost_spread(all_states: pa.Table) -> float:
+    """Coefficient of variation of one continuation's cost: the spread of the remaining tokens among states of
+    the same segment index, pooled (a state's price is known only up to it)."""
+    remaining = all_states.column("remaining_generated_tokens").to_numpy().astype(np.float64)
+    segment_idx = all_states.column("segment_idx").to_numpy()
+    squares, count = 0.0, 0
+    for k in np.unique(segment_idx):
+        at_k = remaining[segment_idx == k]
+        if len(at_k) > 1 and at_k.mean() > 0:
+            squares += (at_k.var(ddof=1) / at_k.mean() ** 2) * (len(at_k) - 1)
+            count += len(at_k) - 1
+    return float(np.sqrt(squares / count)) if count else 0.0
+
+
 def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
             critic: Manifest | None, charged: Sequence[Manifest], scratch: Path) -> StageResult:
     cfg = ctx.config
@@ -145,6 +162,13 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     )
     seed = ctx.seed(iteration, stage_name(round_idx))
     allocation = allocate(candidates, Request(budget, acquisition, seed=seed))
+    margin = 0.0
+    if rounds_left == 1:
+        # The last round cannot hand an overspend on: a plan that fills the budget exactly overshoots half the
+        # time, and the ledger then cuts continuations. Plan one standard deviation of its spend below it.
+        spread = cost_spread(all_states) * candidates.cost
+        margin = float(np.sqrt(np.dot(allocation.counts, spread**2)))
+        allocation = allocate(candidates, Request(max(0.0, budget - margin), acquisition, seed=seed))
     reasons = [r or "not chosen" for r in allocation.reason]
     if members is None and acquisition is not cfg.acquisition:
         reasons = [f"{r} (no critic yet)" for r in reasons]
@@ -162,7 +186,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         "reason": reasons,
     }, schema=schema_for("acquisition"))
     figures = {"candidates": n, "chosen_states": int((allocation.counts > 0).sum()), "cost_calibration": calibration,
-               "continuations": int(allocation.counts.sum()), "budget": round(budget),
+               "continuations": int(allocation.counts.sum()), "budget": round(budget), "margin": round(margin),
                "estimated_tokens": round(allocation.estimated_tokens)}
     return StageResult(tables={"acquisition": table}, figures=figures, policy_version=segment.policy_version,
                        seeds={"acquire": seed})
