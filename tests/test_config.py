@@ -76,7 +76,8 @@ def test_budget_tokens_is_the_measured_mean_times_p_times_g_grpo():
     from focus_core.artifacts import Manifest
     from tasks.bootstrap import budget_tokens
 
-    bootstrap = Manifest(run_id="r", iteration=0, stage="bootstrap", version="v", figures={"mean_episode_tokens": 5000.0})
+    bootstrap = Manifest(run_id="r", iteration=0, stage="bootstrap", version="v",
+                         figures={"mean_episode_tokens": 5000.0})
     cfg = load_config(None, ["budget.prompts_per_iteration=2"])
     assert budget_tokens(cfg, bootstrap) == 80_000
     assert budget_tokens(load_config(None, ["budget.tokens_per_iteration=1234"]), bootstrap) == 1234
