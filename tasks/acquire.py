@@ -4,10 +4,10 @@ values the critic knows worst (``focus_core.acquisition``).
 Candidates are the distinct states of the iteration's main episodes (every main episode of a task
 starts in the same s_0, so a state id can occur several times): each is weighted by how much its
 value error moves the advantages (W_k of its segment index, method.md §5.3) times its occurrences,
-and priced at the tokens one continuation is expected to cost (``continuation_cost``, rescaled by the
-actual/planned spend of earlier rounds). Each carries every return it already has (own returns of its
-main episodes, earlier rounds' continuations), which the per-state cap and the critic-driven
-strategies count. The round's budget is what the ledger has left after the main rollouts and earlier
+and priced at the tokens one continuation is expected to cost (``continuation_cost``, raised by the
+actual/planned spend of earlier rounds when they overspent). Each carries every return it already has
+(own returns of its main episodes, earlier rounds' continuations), which the per-state cap and the
+critic-driven strategies count. The round's budget is what the ledger has left after the main rollouts and earlier
 rounds, split evenly over the rounds still to run; the last round plans one standard deviation of its
 spend below that (``margin``), since no later round can absorb an overspend.
 
@@ -142,10 +142,13 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     segment_idx = states.column("segment_idx").to_numpy()
     cost = continuation_cost(all_states, row_state, occurrences, states, earlier_costs(ctx, charged))
     # Earlier rounds show how far actual spend strays from plans (a strategy that divides by cost favours
-    # states whose price was underestimated): later rounds scale their prices by that ratio.
+    # states whose price was underestimated): later rounds raise their prices by that ratio. Never lower them:
+    # an overestimate in one round does not carry to the next round's other states (measured: lowering prices
+    # by 0.89 after one cheap round made the next round's plan overspend and lose 19% of its continuations),
+    # and an overspend costs cut continuations while an underspend only leaves tokens unspent.
     earlier_rounds = [m for m in charged if m.stage.startswith("branch_") and not m.skipped]
     planned = sum(float(m.figures.get("planned_tokens", 0.0)) for m in earlier_rounds)
-    calibration = float(np.clip(sum(float(m.figures["tokens"]) for m in earlier_rounds) / planned, 0.5, 2.0)
+    calibration = float(np.clip(sum(float(m.figures["tokens"]) for m in earlier_rounds) / planned, 1.0, 2.0)
                         ) if planned > 0 else 1.0
     cost = cost * calibration
     entropy = None
