@@ -22,12 +22,7 @@ from focus_core.ppo import (
     sequence_logprobs,
 )
 from focus_core.value_head import METADATA_FILE, TENSORS_FILE, ValueHead, token_values
-
-CORPUS = [
-    f'search("city {i % 7}") returned {i % 3} results. open(doc_{i}) -> The answer is {i * 7 % 13}.\n'
-    for i in range(200)
-]
-SMALL = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "max_context": 256}
+from tests.test_ppo import CORPUS, SMALL  # the same tiny model as the PPO tests
 
 
 @pytest.fixture(scope="module", autouse=True)
