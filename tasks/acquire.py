@@ -30,7 +30,7 @@ from focus_core.acquisition import CRITIC_FREE_STRATEGIES, Candidates, Request, 
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
-from tasks.fit_critic import branch_returns
+from tasks.fit_critic import branch_observations
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens
 from tasks.stage import RunContext, StageResult, run_stage
 
@@ -61,22 +61,6 @@ def next_action_entropy(rollouts: pa.Table, states: pa.Table) -> np.ndarray:
             first[(episode, segment)] = -float(np.mean(logprobs))
     return np.array([first.get(key, 0.0) for key in zip(states.column("episode_id").to_pylist(),
                                                          states.column("segment_idx").to_pylist(), strict=True)])
-
-
-def earlier_costs(ctx: RunContext, charged: Sequence[Manifest]) -> dict[str, list[int]]:
-    """Generated tokens of each state's continuations in earlier rounds (cut ones left out: they stopped early)."""
-    costs: dict[str, list[int]] = {}
-    for manifest in charged:
-        if not manifest.stage.startswith("branch_") or manifest.skipped:
-            continue
-        table = read(ctx, manifest, "branches")
-        cut = set(e for e, c in zip(*(read(ctx, manifest, "episodes").column(k).to_pylist()
-                                      for k in ("episode_id", "budget_cut")), strict=True) if c)
-        for state, tokens, episode in zip(*(table.column(k).to_pylist() for k in ("state_id", "generated_tokens",
-                                                                                   "episode_id")), strict=True):
-            if episode not in cut:
-                costs.setdefault(state, []).append(tokens)
-    return costs
 
 
 def continuation_cost(all_states: pa.Table, row_state: np.ndarray, occurrences: np.ndarray, states: pa.Table,
@@ -125,7 +109,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                    strict=True))
     counted = np.array([not cut[e] for e in all_states.column("episode_id").to_pylist()], dtype=float)
     # Every return a state already has: its main episodes' own returns and earlier rounds' continuations.
-    earlier = branch_returns(ctx, [m for m in charged if m.stage.startswith("branch_")])
+    earlier, earlier_tokens = branch_observations(ctx, [m for m in charged if m.stage.startswith("branch_")])
     already = (np.bincount(row_state, weights=counted, minlength=states.num_rows)
                + np.array([len(earlier.get(s, ())) for s in states.column("state_id").to_pylist()]))
     rounds_left = cfg.acquisition.rounds - round_idx
@@ -140,7 +124,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         if acquisition.strategy not in CRITIC_FREE_STRATEGIES:
             acquisition = acquisition.model_copy(update={"strategy": "uniform_random"})
     segment_idx = states.column("segment_idx").to_numpy()
-    cost = continuation_cost(all_states, row_state, occurrences, states, earlier_costs(ctx, charged))
+    cost = continuation_cost(all_states, row_state, occurrences, states, earlier_tokens)
     # Earlier rounds show how far actual spend strays from plans (a strategy that divides by cost favours
     # states whose price was underestimated): later rounds raise their prices by that ratio. Never lower them:
     # an overestimate in one round does not carry to the next round's other states (measured: lowering prices

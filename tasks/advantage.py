@@ -23,6 +23,7 @@ from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
 from focus_core.rollouts import training_sequences
 from focus_core.schemas import FLOATS, schema_for
+from focus_core.value_head import token_values
 from tasks.inputs import load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage
 
@@ -61,8 +62,6 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
         sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=ids)
         model = policy_at(ctx, policy)
         head = load_value_head(ctx, policy, model)
-        from focus_core.value_head import token_values
-
         batch["token_values"] = token_values(model.model, head, sequences)
         batch["token_masks"] = [s.loss_mask for s in sequences]
     result = get_advantage_estimator(cfg.advantage.estimator)(AdvantageBatch(**batch), cfg.advantage)

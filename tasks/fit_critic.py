@@ -44,20 +44,25 @@ def stage_name(round_idx: int) -> str:
     return f"fit_critic_r{round_idx}"
 
 
-def branch_returns(ctx: RunContext, branches: Sequence[Manifest]) -> dict[str, list[float]]:
-    """Continuation returns per state id, leaving out continuations the budget cut off."""
+def branch_observations(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[dict[str, list[float]],
+                                                                                 dict[str, list[int]]]:
+    """Per state id, the returns and the generated tokens of its continuations, leaving out continuations the
+    budget cut off (their 0 is not the policy's doing, and they stopped early)."""
     returns: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
     for manifest in branches:
         if manifest.skipped:
             continue
         table, episodes = read(ctx, manifest, "branches"), read(ctx, manifest, "episodes")
         cut = {e for e, was_cut in zip(episodes.column("episode_id").to_pylist(),
                                        episodes.column("budget_cut").to_pylist(), strict=True) if was_cut}
-        for state, value, episode in zip(table.column("state_id").to_pylist(), table.column("return").to_pylist(),
-                                         table.column("episode_id").to_pylist(), strict=True):
+        for state, value, spent, episode in zip(*(table.column(c).to_pylist() for c in
+                                                  ("state_id", "return", "generated_tokens", "episode_id")),
+                                                strict=True):
             if episode not in cut:
                 returns.setdefault(state, []).append(value)
-    return returns
+                tokens.setdefault(state, []).append(spent)
+    return returns, tokens
 
 
 def task_folds(task_ids: Sequence[str], folds: int, seed: int) -> dict[str, int]:
@@ -83,7 +88,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     own = np.where(counted, states.column("own_return").to_numpy(), 0.0)
 
     distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
-    by_state = branch_returns(ctx, branches)
+    by_state, _ = branch_observations(ctx, branches)
     branch_sum = np.array([sum(by_state.get(s, ())) for s in distinct])
     branch_n = np.array([len(by_state.get(s, ())) for s in distinct], dtype=np.float64)
     own_sum = np.bincount(inverse, weights=own, minlength=len(distinct))

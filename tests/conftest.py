@@ -43,3 +43,15 @@ def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 def s3_store_root(s3_service) -> str:
     """``s3://focus/<prefix>`` on the session's server; tests add their own sub-prefix to stay apart."""
     return f"s3://focus/tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models decode fastest on one intra-op thread; more threads on a busy 2-core machine (pytest -n 2)
+    spin against each other and run 10-50x slower. Model test modules use it for all their tests."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,13 +24,7 @@ from focus_core.ppo import (
 from focus_core.value_head import METADATA_FILE, TENSORS_FILE, ValueHead, token_values
 from tests.test_ppo import CORPUS, SMALL  # the same tiny model as the PPO tests
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
