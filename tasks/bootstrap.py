@@ -41,8 +41,12 @@ def budget_tokens(cfg: FocusConfig, bootstrap: Manifest) -> int:
     """B_tok of this run: the explicit budget, else the bootstrap's measured mean × P × G_grpo."""
     if cfg.budget.tokens_per_iteration is not None:
         return cfg.budget.tokens_per_iteration
-    mean = float(bootstrap.figures["mean_episode_tokens"])
-    return max(1, round(mean * cfg.budget.prompts_per_iteration * cfg.budget.group_size_grpo))
+    return measured_budget(cfg, float(bootstrap.figures["mean_episode_tokens"]))
+
+
+def measured_budget(cfg: FocusConfig, mean_episode_tokens: float) -> int:
+    """B_tok from a measured mean: mean generated tokens per episode × P × G_grpo."""
+    return max(1, round(mean_episode_tokens * cfg.budget.prompts_per_iteration * cfg.budget.group_size_grpo))
 
 
 def source_of(init_from: str, store: ArtifactStore) -> tuple[ArtifactStore, str]:
@@ -106,8 +110,7 @@ def compute(ctx: RunContext, scratch: Path) -> StageResult:
         policy = load_policy(cfg.model.source)
         figures = {"parameters": sum(p.numel() for p in policy.model.parameters())}
     figures |= measure_episode_tokens(ctx, policy)
-    figures["budget_tokens"] = round(figures["mean_episode_tokens"] * cfg.budget.prompts_per_iteration
-                                     * cfg.budget.group_size_grpo)
+    figures["budget_tokens"] = measured_budget(cfg, figures["mean_episode_tokens"])
     policy.version = 0
     policy.save(scratch / POLICY_FOLDER)
     return StageResult(folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures, policy_version=0,

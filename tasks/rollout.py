@@ -62,11 +62,8 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
                             for k in range(0, len(played), group)]
             batch += wave_tasks
             episodes += played
-    index = {}
-    ids = []
-    for t in batch:  # k-th episode of the task's group
-        index[t.task_id] = index.get(t.task_id, -1) + 1
-        ids.append(episode_id(ctx.run_id, iteration, t.task_id, "main", index[t.task_id]))
+    # Waves hold whole groups, so the k-th episode of the batch is episode k % G of its task's group.
+    ids = [episode_id(ctx.run_id, iteration, t.task_id, "main", k % group) for k, t in enumerate(batch)]
     groups = [content_id(ctx.run_id, iteration, t.task_id, "group") for t in batch]
     rollouts, episode_table = episode_tables(episodes, run_id=ctx.run_id, iteration=iteration,
                                              policy_version=policy.version, episode_ids=ids, group_ids=groups)
