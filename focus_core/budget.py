@@ -17,6 +17,8 @@ from __future__ import annotations
 import operator
 from collections import defaultdict
 
+import numpy as np
+
 from focus_core.schemas import BUDGET_KINDS
 
 
@@ -49,6 +51,19 @@ def matched_budget(
     total = round(prompts * mean_episode_tokens * group_size_grpo)
     main = round(prompts * mean_episode_tokens * group_size_main)
     return total, total - main
+
+
+def spend_margin(counts: np.ndarray, cost: np.ndarray, cost_cv: float, sds: float) -> float:
+    """Tokens to hold back so a plan of ``counts`` continuations at expected ``cost`` each overspends rarely.
+
+    Each continuation's cost is taken as independent with standard deviation ``cost_cv · cost``, so the
+    plan's total has standard deviation sqrt(Σ n_i (cv·c_i)²); the margin is ``sds`` of those. At two
+    standard deviations a plan overspends about one time in forty (one-sided normal tail).
+
+    Example: counts (2, 1), cost (10, 20), cv 0.5, 2 sd -> 2·sqrt(2·25 + 100) = 24.49.
+    """
+    counts, cost = np.asarray(counts, dtype=np.float64), np.asarray(cost, dtype=np.float64)
+    return sds * float(np.sqrt(np.dot(counts, (cost_cv * cost) ** 2)))
 
 
 class BudgetLedger:

@@ -118,6 +118,10 @@ class AcquisitionConfig(_Section):
     max_per_state: int = Field(8, ge=1, description="n_max: most continuations one state may get")
     vine_k: int = Field(9, ge=1, description="K: continuations per state for uniform_all (VinePPO)")
     rounds: int = Field(2, ge=1, description="R: acquire -> branch -> fit rounds per iteration")
+    last_round_margin_sd: float = Field(
+        2.0, ge=0.0, description="the last round plans this many standard deviations of its spend below its "
+        "budget, since no later round can absorb an overspend (1 sd cut 14% of one iteration's continuations)"
+    )
     jitter: float = Field(1e-4, gt=0.0, description="τ²: jitter added to the ensemble covariance diagonal")
     benchmark_only: bool = Field(
         False, description="allow the oracle strategy, which reads true values only benchmarks have"

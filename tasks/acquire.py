@@ -8,8 +8,8 @@ and priced at the tokens one continuation is expected to cost (``continuation_co
 actual/planned spend of earlier rounds when they overspent). Each carries every return it already has
 (own returns of its main episodes, earlier rounds' continuations), which the per-state cap and the
 critic-driven strategies count. The round's budget is what the ledger has left after the main rollouts and earlier
-rounds, split evenly over the rounds still to run; the last round plans one standard deviation of its
-spend below that (``margin``), since no later round can absorb an overspend.
+rounds, split evenly over the rounds still to run; the last round plans ``acquisition.last_round_margin_sd`` standard deviations
+of its spend below that (``margin``), since no later round can absorb an overspend.
 
 Without a critic yet (FOCUS's first round of iteration 0) the states are drawn uniformly at random,
 and the table says so. ``entropy`` (ARPO/AEPO-style) reads the policy's next-action entropy at each
@@ -28,6 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from focus_core.acquisition import CRITIC_FREE_STRATEGIES, Candidates, Request, advantage_sensitivity, allocate
 from focus_core.artifacts import Manifest
+from focus_core.budget import spend_margin
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
 from tasks.fit_critic import branch_observations
@@ -152,9 +153,10 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     margin = 0.0
     if rounds_left == 1:
         # The last round cannot hand an overspend on: a plan that fills the budget exactly overshoots half the
-        # time, and the ledger then cuts continuations. Plan one standard deviation of its spend below it.
-        spread = cost_spread(all_states) * candidates.cost
-        margin = float(np.sqrt(np.dot(allocation.counts, spread**2)))
+        # time, and the ledger then cuts continuations. Plan a few standard deviations of its spend below it
+        # (measured: one sd left 2 of 24 last rounds of three default runs cutting 8.5% and 14%).
+        margin = spend_margin(allocation.counts, candidates.cost, cost_spread(all_states),
+                              acquisition.last_round_margin_sd)
         allocation = allocate(candidates, Request(max(0.0, budget - margin), acquisition, seed=seed))
     reasons = [r or "not chosen" for r in allocation.reason]
     if members is None and acquisition is not cfg.acquisition:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from focus_core.budget import BudgetExceeded, BudgetLedger, matched_budget
+from focus_core.budget import BudgetExceeded, BudgetLedger, matched_budget, spend_margin
 from focus_core.schemas import BUDGET_KINDS, validate_table
 
 
@@ -135,3 +135,23 @@ def test_ledger_never_exceeds_its_budget(budget, charges):
     assert ledger.by_kind == accepted
     rows = ledger.rows(run_id="r", iteration=0, policy_version=0)
     assert sum(row["tokens"] for row in rows) == ledger.spent
+
+
+def test_spend_margin_worked_example():
+    assert spend_margin(np.array([2, 1]), np.array([10.0, 20.0]), cost_cv=0.5, sds=2.0) == pytest.approx(
+        2 * np.sqrt(150.0))
+    assert spend_margin(np.array([0, 0]), np.array([10.0, 20.0]), cost_cv=0.5, sds=2.0) == 0.0
+
+
+def test_a_plan_two_sds_below_its_budget_rarely_overspends():
+    # Continuation costs drawn from a gamma with the stated coefficient of variation (skewed like episode
+    # lengths): a plan that fills budget − margin overspends the budget in about 1 of 40 draws at 2 sd.
+    rng = np.random.default_rng(0)
+    counts, cost, cv = np.full(60, 2), rng.uniform(20, 200, 60), 0.8
+    budget = float(np.dot(counts, cost)) + spend_margin(counts, cost, cv, sds=2.0)
+    shape = 1 / cv**2
+    draws = rng.gamma(shape, cost / shape, size=(4000, *cost.shape)) @ counts.astype(float)
+    share = float(np.mean(draws > budget))
+    assert 0.005 < share < 0.05
+    no_margin = float(np.mean(draws > float(np.dot(counts, cost))))
+    assert no_margin > 0.4
