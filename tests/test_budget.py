@@ -150,7 +150,8 @@ def test_a_plan_two_sds_below_its_budget_rarely_overspends():
     counts, cost, cv = np.full(60, 2), rng.uniform(20, 200, 60), 0.8
     budget = float(np.dot(counts, cost)) + spend_margin(counts, cost, cv, sds=2.0)
     shape = 1 / cv**2
-    draws = rng.gamma(shape, cost / shape, size=(4000, *cost.shape)) @ counts.astype(float)
+    each = np.repeat(cost, counts)  # one independent draw per continuation
+    draws = rng.gamma(shape, each / shape, size=(4000, len(each))).sum(axis=1)
     share = float(np.mean(draws > budget))
     assert 0.005 < share < 0.05
     no_margin = float(np.mean(draws > float(np.dot(counts, cost))))
