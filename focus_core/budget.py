@@ -53,17 +53,26 @@ def matched_budget(
     return total, total - main
 
 
-def spend_margin(counts: np.ndarray, cost: np.ndarray, cost_cv: float, sds: float) -> float:
-    """Tokens to hold back so a plan of ``counts`` continuations at expected ``cost`` each overspends rarely.
+def spend_margin(counts: np.ndarray, cost: np.ndarray, cost_cv: float, sds: float,
+                 price_observations: np.ndarray | None = None) -> float:
+    """Tokens to hold back so a plan of ``counts`` continuations at estimated ``cost`` each overspends rarely.
 
-    Each continuation's cost is taken as independent with standard deviation ``cost_cv · cost``, so the
-    plan's total has standard deviation sqrt(Σ n_i (cv·c_i)²); the margin is ``sds`` of those. At two
-    standard deviations a plan overspends about one time in forty (one-sided normal tail).
+    One continuation's cost has standard deviation σ_i = ``cost_cv · cost_i`` around its state's true mean.
+    That mean is itself estimated, from ``price_observations`` costs plus one prior pseudo-observation, so the
+    estimate is off by about σ_i / sqrt(obs_i + 1) — an error that every continuation of the state shares.
+    The plan's total then has variance Σ n_i σ_i² + n_i² σ_i² / (obs_i + 1), and the margin is ``sds`` standard
+    deviations of it (about one plan in forty overspends at two). Without ``price_observations`` the prices
+    are taken as exact.
 
-    Example: counts (2, 1), cost (10, 20), cv 0.5, 2 sd -> 2·sqrt(2·25 + 100) = 24.49.
+    Example: counts (2, 1), cost (10, 20), cv 0.5, 2 sd -> 2·sqrt(2·25 + 100) = 24.49; with one observation
+    per price, 2·sqrt(2·25 + 4·25/2 + 100 + 100/2) = 31.62.
     """
     counts, cost = np.asarray(counts, dtype=np.float64), np.asarray(cost, dtype=np.float64)
-    return sds * float(np.sqrt(np.dot(counts, (cost_cv * cost) ** 2)))
+    variance = (cost_cv * cost) ** 2
+    total = np.dot(counts, variance)
+    if price_observations is not None:
+        total += np.dot(counts**2, variance / (np.asarray(price_observations, dtype=np.float64) + 1.0))
+    return sds * float(np.sqrt(total))
 
 
 class BudgetLedger:

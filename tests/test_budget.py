@@ -156,3 +156,31 @@ def test_a_plan_two_sds_below_its_budget_rarely_overspends():
     assert 0.005 < share < 0.05
     no_margin = float(np.mean(draws > float(np.dot(counts, cost))))
     assert no_margin > 0.4
+
+
+def test_spend_margin_counts_the_shared_error_of_an_estimated_price():
+    counts, cost = np.array([2, 1]), np.array([10.0, 20.0])
+    exact = spend_margin(counts, cost, cost_cv=0.5, sds=2.0)
+    estimated = spend_margin(counts, cost, cost_cv=0.5, sds=2.0, price_observations=np.array([1, 1]))
+    assert estimated == pytest.approx(2 * np.sqrt(50 + 50 + 100 + 50))
+    # More observed costs make a price surer, and the margin shrinks back toward the exact-price one.
+    surer = spend_margin(counts, cost, cost_cv=0.5, sds=2.0, price_observations=np.array([1000, 1000]))
+    assert exact < surer < estimated
+
+
+def test_a_plan_priced_from_few_costs_overspends_rarely_with_the_price_error_counted():
+    # Each state's true mean cost is unknown; its price is the mean of 2 observed costs and a prior
+    # pseudo-observation at the true mean. Continuations of one state share the price's error.
+    rng = np.random.default_rng(1)
+    n_states, cv, shape = 40, 0.8, 1 / 0.8**2
+    truth = rng.uniform(20, 200, n_states)
+    counts = np.full(n_states, 5)
+    overspent = 0
+    for _ in range(2000):
+        observed = rng.gamma(shape, truth / shape, size=(2, n_states))
+        price = (observed.sum(axis=0) + truth) / 3
+        budget = float(np.dot(counts, price)) + spend_margin(counts, price, cv, sds=2.0,
+                                                             price_observations=np.full(n_states, 2))
+        spend = rng.gamma(shape, np.repeat(truth, counts) / shape).sum()
+        overspent += spend > budget
+    assert overspent / 2000 < 0.05
