@@ -23,7 +23,8 @@ Metrics of iteration i, all at step i:
   share of state pairs with different MC means that the critic orders the same way (ties count half);
   ordering is what acquisition needs;
 * ``values.explained_variance``: 1 - Var(own return - V̂) / Var(own return) over the iteration's states;
-* ``advantage.{mean,std,abs_mean}`` from the advantages table; ``success.{train,heldout}``.
+* ``advantage.{mean,std,abs_mean}`` from the advantages table; ``success.{train,heldout}``, and on trap
+  environments ``success.heldout_exact``.
 
 Defaults follow reference/tooling.md §6: ``sqlite:///<cwd>/mlruns.db`` with artifacts in
 ``<cwd>/mlruns-artifacts`` (any sqlite database gets a ``mlruns-artifacts`` folder beside it, not
@@ -365,6 +366,8 @@ def _stage_metrics(stage: str, manifest: Manifest) -> dict[str, float]:
     aliases = {"rollout": ("success", "success.train"), "evaluate": ("heldout_success", "success.heldout")}
     if stage in aliases and aliases[stage][0] in manifest.figures:
         metrics[aliases[stage][1]] = float(manifest.figures[aliases[stage][0]])
+    if stage == "evaluate" and "heldout_success_exact" in manifest.figures:  # trap environments: exact V^π(s_0)
+        metrics["success.heldout_exact"] = float(manifest.figures["heldout_success_exact"])
     return metrics
 
 

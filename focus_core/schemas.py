@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 # Bump whenever a column is added, removed, renamed or retyped; it feeds the stage version hash,
 # so a schema change invalidates stored artifacts instead of silently mixing layouts.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Allowed values of categorical columns (checked by validate_table).
 ROLLOUT_ROLES = ("context", "policy", "tool", "summary")
@@ -175,7 +175,7 @@ TABLES: dict[str, pa.Schema] = {
             _column("critic_mean", pa.float64(), "ensemble mean value; null without a critic", nullable=True),
             _column("critic_std", pa.float64(), "ensemble std; null without a critic", nullable=True),
             _column("cost_estimate", pa.float64(), "expected generated tokens of one continuation"),
-            # Uniform strategies and skipped states have no score: null.
+            # Higher = the strategy wants more continuations there; uniform strategies score every state 1.
             _column("score", pa.float64(), "acquisition score when the state was ranked", nullable=True),
             _column("continuations", pa.int32(), "continuations allocated to the state in this round"),
             _column("reason", pa.string(), "why the state got (or did not get) continuations"),
@@ -304,6 +304,9 @@ TABLES: dict[str, pa.Schema] = {
             _column("success", pa.bool_(), "true if the task was solved"),
             _column("n_turns", pa.int32(), "number of turns"),
             _column("generated_tokens", pa.int64(), "policy-generated tokens"),
+            _column("exact_value", pa.float64(), "exact V^π(s_0) of the task under the evaluated policy at the "
+                    "evaluation temperature (trap environments); null where the environment has no exact values",
+                    nullable=True),
         ],
     ),
     "budget_ledger": _schema(

@@ -4,10 +4,17 @@ The held-out tasks (``env.eval_tasks`` of them, a fixed seeded sample) and the s
 same at every iteration, so successive evaluations differ only by the policy (common random numbers:
 the comparison is much less noisy than independent samples would make it). Iteration i evaluates the
 policy that iteration i's rollouts used; the flow adds one evaluation after the last update.
+
+On a trap environment (``combination_lock``, ``lookup_chain``) with the Markov context
+(``agent.compression: observation``) the stage also computes the exact held-out success of the same
+policy at the same temperature, V^π(s_0) per task by teacher-forced scoring and dynamic programming
+(``focus_core.envs.trap_tools``): column ``exact_value`` and figure ``heldout_success_exact``, next to
+the sampled ``heldout_success``. Elsewhere the column is null.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +25,14 @@ from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
+from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
 from tasks.inputs import env_factory, policy_at, tasks
 from tasks.stage import RunContext, StageResult, run_stage
 
 STAGE = "evaluate"
+log = logging.getLogger("focus")
 
 
 def eval_tasks(ctx: RunContext) -> list:
@@ -41,6 +50,15 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
         episodes = AgentRunner(policy, env_factory(ctx), agent).run(
             chosen, seed=ctx.seed(0, STAGE, "sampling"), progress=lambda done: bar.update(done - bar.n))
     n = len(episodes)
+    exact = None
+    env = env_factory(ctx)()
+    if isinstance(env, TrapToolEnv) and agent.compression != "observation":
+        log.warning("[it %d] evaluate: no exact held-out success on %s without the Markov context (fix: "
+                    "agent.compression=observation)", iteration, cfg.env.name)
+    elif isinstance(env, TrapToolEnv):
+        exact = exact_evaluation(policy, env, chosen, agent)
+        log.info("[it %d] evaluate: exact V(s_0) of %d tasks from %d scored contexts in %.1f s (scoring %.1f s)",
+                 iteration, len(chosen), exact.contexts, exact.seconds, exact.score_seconds)
     table = pa.table({
         "run_id": [ctx.run_id] * n, "iteration": pa.array([iteration] * n, pa.int32()),
         "episode_id": [episode_id(ctx.run_id, iteration, t.task_id, "eval") for t in chosen],
@@ -50,10 +68,14 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
         "success": [e.reward > 0 for e in episodes],
         "n_turns": pa.array([e.n_tool_calls for e in episodes], pa.int32()),
         "generated_tokens": pa.array([e.generated_tokens for e in episodes], pa.int64()),
+        "exact_value": pa.nulls(n, pa.float64()) if exact is None else pa.array(exact.values, pa.float64()),
     }, schema=schema_for("evaluation"))
     figures = {"heldout_success": float(np.mean([e.reward > 0 for e in episodes])),
                "mean_turns": float(np.mean([e.n_tool_calls for e in episodes])),
                "tokens": int(sum(e.generated_tokens for e in episodes))}
+    if exact is not None:
+        figures |= {"heldout_success_exact": float(exact.values.mean()), "exact_contexts": exact.contexts,
+                    "exact_off_menu_mass": exact.off_menu_mass}
     return StageResult(tables={"evaluation": table}, figures=figures, policy_version=policy.version)
 
 

@@ -172,6 +172,7 @@ def example_row(table: str) -> dict:
             "success": False,
             "n_turns": 20,
             "generated_tokens": 6100,
+            "exact_value": 0.37,
         },
         "budget_ledger": {**RUN, "round": 1, "kind": "branch", "tokens": 19000, "budget": 80000},
     }

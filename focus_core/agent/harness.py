@@ -12,6 +12,9 @@ tokens, or a segment has run ``M`` turns, the segment closes: the policy writes 
 ``notes`` mode, a deterministic compressor keeps the observations' first lines and the last turn)
 and the context restarts as [system, task + summary]. Each restart begins a new segment, and its
 start is a ``SegmentStart``: a branchable state from which ``run`` can sample fresh continuations.
+The ``observation`` mode is the Markov context: after every turn the context restarts as
+[system, task prompt + the last observation] (``observation_context``), so when observations show the
+whole environment state, the policy's action distribution is a function of that state alone.
 
 Episodes run in lockstep so each step is one batched generation; continuations that share a
 prompt are generated with ``n > 1`` from one prompt, so the policy computes the prefix once.
@@ -188,9 +191,17 @@ class AgentRunner:
     # -- starting points ----------------------------------------------------------------------
 
     def initial_state(self, task: Task, env: ToolEnv) -> SegmentStart:
-        messages = ({"role": "system", "content": env.system_prompt()}, {"role": "user", "content": task.prompt})
-        ids = self.renderer.render(messages, generation_prompt=True)
+        messages, ids = self.observation_context(task, env.system_prompt(), env.first_observation(task))
         return SegmentStart(task, 0, 0, 0, messages, tuple(ids))
+
+    def observation_context(self, task: Task, system_prompt: str, observation: str | None
+                            ) -> tuple[tuple[dict[str, str], ...], list[int]]:
+        """[system, task prompt + newline + observation] and its ids ending with the generation prompt: the first
+        context of every episode (with the environment's ``first_observation``), and in ``observation`` mode the
+        context after every turn (with the turn's observation)."""
+        content = task.prompt if observation is None else f"{task.prompt}\n{observation}"
+        messages = ({"role": "system", "content": system_prompt}, {"role": "user", "content": content})
+        return messages, self.renderer.render(messages, generation_prompt=True)
 
     def _begin(self, start: SegmentStart, env: ToolEnv, parent: SegmentStart | None) -> _Active:
         env.reset(start.task)
@@ -293,6 +304,10 @@ class AgentRunner:
         cfg = self.config
         reserve = cfg.max_action_tokens + cfg.max_summary_tokens
         due = len(a.ids) + reserve > cfg.context_max_tokens or a.turns_in_segment >= cfg.compress_every_turns
+        if cfg.compression == "observation":  # the Markov context: a new segment after every turn
+            if a.turns_in_segment:
+                self._restart_segment(a, a.history[-1][1])
+            return
         if not due or a.turns_in_segment == 0:
             return
         if cfg.compression == "notes":
@@ -384,8 +399,11 @@ class AgentRunner:
 
     def _restart_segment(self, a: _Active, summary: str) -> None:
         task = a.episode.task
-        messages = (a.messages[0], {"role": "user", "content": f"{task.prompt}\n{NOTES_HEADER}\n{summary}"})
-        ids = self.renderer.render(messages, generation_prompt=True)
+        if self.config.compression == "observation":  # ``summary`` is the last observation
+            messages, ids = self.observation_context(task, a.messages[0]["content"], summary)
+        else:
+            messages = (a.messages[0], {"role": "user", "content": f"{task.prompt}\n{NOTES_HEADER}\n{summary}"})
+            ids = self.renderer.render(messages, generation_prompt=True)
         # Counted from the main episode's start: a continuation starts with its parent's count.
         generated = a.episode.starts[0].generated_tokens + a.episode.generated_tokens
         a.segment_idx += 1

@@ -112,6 +112,11 @@ class ToolEnv(abc.ABC):
         It must recover from any history (SFT data injects mistakes into its trajectories).
         """
 
+    def first_observation(self, task: Task) -> str | None:
+        """What the agent sees after the task prompt before its first call (its first context is the prompt, a
+        newline and this), or None when the prompt says everything (the default). A pure function of the task."""
+        return None
+
     def system_prompt(self) -> str:
         """The instructions shown before the task: what the tools are and how to call them."""
         lines = [f"You are an agent solving {self.name.replace('_', ' ')} tasks with tools.",
@@ -191,7 +196,14 @@ def register_env(name: str) -> Callable[[type[ToolEnv]], type[ToolEnv]]:
 
 def make_env(name: str, **kwargs: Any) -> ToolEnv:
     # Importing the environment modules fills the registry; they load their data lazily.
-    from focus_core.envs import browsecomp_plus, code_localization, deep_search, legal, swebench_loc  # noqa: F401
+    from focus_core.envs import (  # noqa: F401
+        browsecomp_plus,
+        code_localization,
+        deep_search,
+        legal,
+        swebench_loc,
+        trap_tools,
+    )
 
     if name not in ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")

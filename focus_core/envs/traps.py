@@ -366,7 +366,18 @@ def _seeded_rng(*keys: int) -> np.random.Generator:
 # ------------------------------------------------------------------------------------------------------------
 
 _LOCK_SYMBOLS = "ABCDEF"
-_COMBINATION_STREAM, _LOCK_POLICY_STREAM, _KB_STREAM, _MENU_ORDER_STREAM, _CHAIN_POLICY_STREAM = range(5)
+_COMBINATION_STREAM, _LOCK_POLICY_STREAM, _KB_STREAM, _MENU_ORDER_STREAM, _CHAIN_POLICY_STREAM, _CLUE_STREAM = range(6)
+# The clue variant (``CombinationLock(clues=True)``): each dial shows a clue word, and the word's family decides
+# the right symbol - the same mapping for every seed (family i is symbol i), so a rule learned on some locks
+# opens others. Seeds only choose which clues (hence which combination) a lock has.
+CLUE_FAMILIES = (
+    ("river", "rain", "lake", "tide"),  # A
+    ("stone", "hill", "cliff", "sand"),  # B
+    ("flame", "ember", "ash", "spark"),  # C
+    ("wind", "cloud", "storm", "mist"),  # D
+    ("oak", "pine", "moss", "fern"),  # E
+    ("iron", "gold", "silver", "tin"),  # F
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,12 +400,17 @@ class CombinationLock(ExactValueEnv):
 
     Exact values. A doomed state is worth 0 (``known_value``), so only live states are expanded, and there is
     one live state per turn: V^π(live state at dial h) = Π_{t >= h} π(right symbol | live state at dial t).
+
+    ``clues=True`` is the learnable variant: every dial shows a clue word from ``CLUE_FAMILIES`` and the right
+    symbol is its family's (seed-independent), so a policy can open a lock it has never seen; the seed draws the
+    clues. The observation shows the current dial's clue only (and the symbols set so far), so a doomed state
+    still looks like any other unless one remembers the earlier clues.
     """
 
     name = "combination_lock"
 
     def __init__(self, horizon: int = 12, segment_every: int = 3, n_symbols: int = 3, delay: int = 3,
-                 seed: int = 0) -> None:
+                 seed: int = 0, clues: bool = False) -> None:
         super().__init__(horizon, segment_every)
         if not 2 <= n_symbols <= len(_LOCK_SYMBOLS):
             raise ValueError(f"n_symbols must be in [2, {len(_LOCK_SYMBOLS)}], got {n_symbols}")
@@ -403,8 +419,15 @@ class CombinationLock(ExactValueEnv):
         self.n_symbols = n_symbols
         self.delay = delay
         self.seed = seed
-        combination_rng = _seeded_rng(seed, _COMBINATION_STREAM)
-        self.combination = tuple(int(symbol) for symbol in combination_rng.integers(n_symbols, size=horizon))
+        self.clues: tuple[str, ...] | None = None
+        if clues:
+            words = [(word, family) for family in range(n_symbols) for word in CLUE_FAMILIES[family]]
+            drawn = _seeded_rng(seed, _CLUE_STREAM).integers(len(words), size=horizon)
+            self.clues = tuple(words[int(i)][0] for i in drawn)
+            self.combination = tuple(words[int(i)][1] for i in drawn)
+        else:
+            combination_rng = _seeded_rng(seed, _COMBINATION_STREAM)
+            self.combination = tuple(int(symbol) for symbol in combination_rng.integers(n_symbols, size=horizon))
         self._menus = [
             tuple(f"set dial {dial + 1} to {_LOCK_SYMBOLS[symbol]}" for symbol in range(n_symbols))
             for dial in range(horizon)
@@ -423,6 +446,8 @@ class CombinationLock(ExactValueEnv):
         return len(state.entered)
 
     def observation(self, state: LockState) -> str:
+        if self.clues is not None:
+            return self._clue_observation(state)
         entered = " ".join(f"{dial + 1}={_LOCK_SYMBOLS[symbol]}" for dial, symbol in enumerate(state.entered))
         if self.is_terminal(state):
             status = "jammed" if self.is_doomed(state) else "open"
@@ -430,6 +455,15 @@ class CombinationLock(ExactValueEnv):
         dial = len(state.entered) + 1
         return (f"Lock: dial {dial} of {self.horizon}. Set so far: {entered or 'nothing'}. "
                 f"Choose a symbol for dial {dial}.")
+
+    def _clue_observation(self, state: LockState) -> str:
+        entered = " ".join(f"{dial + 1}={_LOCK_SYMBOLS[symbol]}" for dial, symbol in enumerate(state.entered))
+        if self.is_terminal(state):
+            return f"Lock: {'jammed' if self.is_doomed(state) else 'open'}. Set: {entered}."
+        dial = len(state.entered)
+        # Only the current dial's clue is shown: the one clue word in view decides the symbol.
+        return (f"Lock: dial {dial + 1} of {self.horizon}. Set so far: {entered or 'nothing'}. "
+                f"Dial {dial + 1} shows {self.clues[dial]}.")
 
     def action_menu(self, state: LockState) -> list[str]:
         return [] if self.is_terminal(state) else list(self._menus[len(state.entered)])
@@ -558,7 +592,7 @@ class LookupChain(ExactValueEnv):
     name = "lookup_chain"
 
     def __init__(self, hops: int = 4, turn_budget: int = 14, segment_every: int = 3, noise: float = 0.1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, show_turn: bool = True) -> None:
         super().__init__(turn_budget, segment_every)
         if not 2 <= hops <= len(_RELATIONS):
             raise ValueError(f"hops must be in [2, {len(_RELATIONS)}], got {hops}")
@@ -567,6 +601,9 @@ class LookupChain(ExactValueEnv):
         self.hops = hops
         self.noise = noise
         self.seed = seed
+        # False leaves the turn count out of the observation (it changes no right action), so states that differ
+        # only by it look the same; the value still depends on it through the turn budget.
+        self.show_turn = show_turn
         self._build_knowledge_base(_seeded_rng(seed, _KB_STREAM))
 
     def _build_knowledge_base(self, rng: np.random.Generator) -> None:
@@ -658,13 +695,18 @@ class LookupChain(ExactValueEnv):
     def observation(self, state: LookupState) -> str:
         chain = self.poisoned_chain if state.poisoned else self.true_chain
         notes = ", ".join(chain[1: state.hop + 1]) or "none"
+        turn = f"Turn {state.turn} of {self.horizon}. " if self.show_turn else ""
         return (f"{self.question} Notes: {notes}. Hops done: {state.hop} of {self.hops}. "
-                f"Turn {state.turn} of {self.horizon}. {_LAST_RESULT_TEXT[state.last]}")
+                f"{turn}{_LAST_RESULT_TEXT[state.last]}")
 
     def action_menu(self, state: LookupState) -> list[str]:
         if self.is_terminal(state):
             return []
         return [action.text for action in self._menus[(state.hop, state.phase, state.poisoned)]]
+
+    def action_kind(self, state: LookupState, action_index: int) -> str:
+        """What a menu action is: advance, detour, early_answer, wrong_read or wrong_answer."""
+        return self._menus[(state.hop, state.phase, state.poisoned)][action_index].kind
 
     def transitions(self, state: LookupState, action_index: int) -> list[Transition]:
         kind = self._menus[(state.hop, state.phase, state.poisoned)][action_index].kind

@@ -5,8 +5,9 @@ from, ``log_softmax(raw logits / temperature)`` in fp32, without top-p truncatio
 untempered ones). The PPO ratio compares them with the trainer's recomputation at the same temperature
 (``ppo.policy_update(..., temperature=T)``), so both sides must be the same quantity; top-p is left out on both
 sides because the trainer cannot follow a nucleus that moves with the weights (as in verl). ``score`` returns the
-untempered log-probs, equal to the sampled ones at temperature 1. A backend that can only report other
-log-probabilities (untempered, or top-p truncated) must convert or re-score before it hands them out.
+log-probs at its ``temperature`` (default 1: untempered), equal to the sampled ones at that temperature. A
+backend that can only report other log-probabilities (untempered, or top-p truncated) must convert or re-score
+before it hands them out.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ class Policy(Protocol):
         """
         ...
 
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
-        """Teacher-forced fp32 log-probabilities of ``completion_ids`` after ``prompt_ids`` (one per token)."""
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, temperature: float = 1.0
+              ) -> list[float]:
+        """Teacher-forced fp32 log-probabilities of ``completion_ids`` after ``prompt_ids`` (one per token), at
+        ``temperature``: log_softmax(logits / T), what sampling at T reports."""
         ...
 
     def load_weights(self, path: str | Path, version: int | None = None) -> None:

@@ -19,10 +19,11 @@ shared prefix it is 1.3-1.6x, most of it the one unavoidable prefill (bench/bran
 at one copy of the prompt per state.
 
 ``score`` runs the model over prompt + completion in one unpadded forward with its stock attention and returns
-untempered log-probs. Position ids are explicit in both paths (left padding would otherwise shift the rotary
-positions), so at temperature 1 and 0 (greedy keeps untempered log-probs) the two agree to float rounding (~1e-6
-in fp32); at another temperature the sampler's log-probs are tempered and ``ppo.sequence_logprobs(...,
-temperature=T)`` is the matching re-score.
+log-probs at its ``temperature`` (default 1, untempered); ``score_batch`` scores many completions of many prompts
+through their token trie, every distinct prefix computed once. Position ids are explicit in all paths (left
+padding would otherwise shift the rotary positions), so the sampler's log-probs and ``score`` at the sampling
+temperature agree to float rounding (~1e-6 in fp32; greedy, temperature 0, keeps untempered log-probs), and
+``ppo.sequence_logprobs(..., temperature=T)`` is the trainer's matching re-score.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 from transformers import (
@@ -57,6 +59,8 @@ from focus_core.policy.tokenizer import end_of_turn_ids
 
 # Written next to the Hugging Face files of a checkpoint; carries what HF's own files don't.
 METADATA_FILE = "focus_policy.json"
+# score_batch feeds the last nodes of a token trie in one row (tree-masked) once at most this many are left.
+_PACKED_TAIL = 64
 # Our attention implementation, switched on only inside ``generate``; everywhere else (score, training) the model
 # runs its stock attention.
 BRANCH_ATTENTION = "focus_branch"
@@ -179,9 +183,11 @@ class HFPolicy:
         return self._forward(input_ids, mask if padded else None, positions, cache)
 
     @torch.inference_mode()
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, temperature: float = 1.0
+              ) -> list[float]:
         if not prompt_ids:
             raise ValueError("score: prompt_ids is empty; the first token has no log-probability to condition on")
+        _check_score_temperature(temperature)
         if not completion_ids:
             return []
         ids = list(prompt_ids) + list(completion_ids)
@@ -191,9 +197,219 @@ class HFPolicy:
         # predict exactly the completion tokens.
         inputs = torch.tensor([ids[:-1]], dtype=torch.long, device=self.device)
         positions = torch.arange(len(ids) - 1, device=self.device)[None]
-        logits = self._forward(inputs, None, positions, None, keep=len(completion_ids))[0]
+        logits = self._forward(inputs, None, positions, None, keep=len(completion_ids))
+        logits = logits.reshape(-1, logits.shape[-1])  # [completion, vocab]; keep=1 drops the position axis
         targets = torch.tensor(list(completion_ids), dtype=torch.long, device=self.device)
-        return torch.log_softmax(logits.float(), dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+        return torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, targets[:, None])[:, 0].tolist()
+
+    @torch.inference_mode()
+    def score_batch(self, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]], *,
+                    temperature: float = 1.0, memory_bytes: int = 512 << 20) -> list[list[list[float]]]:
+        """``result[i][j]`` = ``score(prompts[i], completions[i][j], temperature=temperature)``, for many at once.
+
+        Every distinct prefix is computed once: prompts and their completions form a token trie, whose
+        unbranched runs are fed level by level, each level in batched forwards that continue their parents' K/V.
+        Contexts that share a system prompt, a task and most of an observation thus cost only what differs.
+        Prompts are taken in sorted order, in groups whose K/V stays within about ``memory_bytes``. Agrees with
+        ``score`` to float rounding.
+        """
+        _check_score_temperature(temperature)
+        if len(prompts) != len(completions):
+            raise ValueError(f"score_batch: {len(prompts)} prompts but {len(completions)} completion lists")
+        for prompt, options in zip(prompts, completions, strict=True):
+            if not prompt:
+                raise ValueError("score_batch: an empty prompt; the first token has no log-probability")
+            longest = len(prompt) + max((len(c) for c in options), default=0)
+            if longest > self.max_context:
+                raise ValueError(f"score_batch: {longest} tokens exceed max_context={self.max_context}")
+        result: list[list[list[float]]] = [[[] for _ in options] for options in completions]
+        order = sorted((i for i in range(len(prompts)) if any(completions[i])),
+                       key=lambda i: tuple(int(t) for t in prompts[i]))
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_token = 2 * config.num_hidden_layers * heads * head_dim * 4  # K and V, fp32
+        group: list[int] = []
+        rows, longest = 0, 0
+        for i in order:  # a level has at most one row per completion of the group
+            wide = max(longest, len(prompts[i]) + max(len(c) for c in completions[i]))
+            if group and (rows + len(completions[i])) * wide * per_token > memory_bytes:
+                self._score_trie(group, prompts, completions, temperature, result)
+                group, rows, wide = [], 0, len(prompts[i]) + max(len(c) for c in completions[i])
+            group.append(i)
+            rows, longest = rows + len(completions[i]), wide
+        if group:
+            self._score_trie(group, prompts, completions, temperature, result)
+        return result
+
+    def _score_trie(self, group: list[int], prompts: Sequence[Sequence[int]],
+                    completions: Sequence[Sequence[Sequence[int]]], temperature: float,
+                    result: list[list[list[float]]]) -> None:
+        """Score the completions of the prompts ``group`` through their token trie (see ``score_batch``).
+
+        Only nodes with children are fed (the others are only predicted). The trie is cut into rows: an
+        unbranched run of nodes, and once the nodes below the run's end are few (``_PACKED_TAIL``), all of them
+        in the same row, each attending to its own ancestors only (a tree mask), so the menu of completions
+        after a context costs one row. Level by level, rows of similar width are fed together, each continuing
+        its parent row's K/V, which is then compacted (valid entries first) so padding is never carried on.
+        """
+        token, depth, parent, children = [], [], [], []
+        roots: dict[int, int] = {}
+
+        def insert(level: dict[int, int], start: int, tokens: Sequence[int], up: int) -> list[int]:
+            path = []
+            for position, t in enumerate(tokens, start):
+                child = level.get(t)
+                if child is None:
+                    child = level[t] = len(token)
+                    token.append(int(t))
+                    depth.append(position)
+                    parent.append(up)
+                    children.append({})
+                path.append(child)
+                up, level = child, children[child]
+            return path
+
+        wanted: list[tuple[int, int, list[tuple[int, int]]]] = []  # (i, j, [(node that predicts, target)])
+        previous, previous_path = np.zeros(0, dtype=np.int64), []
+        for i in group:  # sorted: a prompt's path starts with the part it shares with the one before
+            current = np.asarray(prompts[i], dtype=np.int64)
+            shared = min(len(current), len(previous))
+            differ = np.flatnonzero(current[:shared] != previous[:shared])
+            shared = int(differ[0]) if len(differ) else shared
+            level = children[previous_path[shared - 1]] if shared else roots
+            up = previous_path[shared - 1] if shared else -1
+            previous_path = previous_path[:shared] + insert(level, shared, current[shared:].tolist(), up)
+            previous = current
+            end = previous_path[-1]
+            for j, completion in enumerate(completions[i]):
+                if completion:
+                    path = [end, *insert(children[end], len(prompts[i]), completion, end)]
+                    wanted.append((i, j, [(path[k], int(t)) for k, t in enumerate(completion)]))
+        needed: dict[int, set[int]] = {}  # node -> the tokens whose log-probability after it is wanted
+        for _, _, pairs in wanted:
+            for node, target in pairs:
+                needed.setdefault(node, set()).add(target)
+        scores: dict[tuple[int, int], float] = {}
+        below = [0] * len(token)  # fed nodes strictly below each node (children are created after parents)
+        for n in reversed(range(len(token))):
+            below[n] = sum(below[c] + 1 for c in children[n].values() if children[c])
+
+        def fed_subtree(n: int) -> list[int]:
+            out, stack = [], [c for c in reversed(children[n].values()) if children[c]]
+            while stack:
+                node = stack.pop()
+                out.append(node)
+                stack += [c for c in reversed(children[node].values()) if children[c]]
+            return out
+
+        rows: list[list[int]] = []  # the nodes of each row, parents before children
+        row_parent: list[int] = []  # the row whose K/V it continues (-1: none)
+        row_run: list[int] = []  # how many leading nodes of each row form its unbranched run
+        handing: set[int] = set()  # rows that later rows continue (their nodes are a run: no packed tail)
+        levels: list[list[int]] = []
+        frontier = [(n, -1) for n in roots.values() if children[n]]
+        while frontier:
+            levels.append([])
+            next_frontier = []
+            for head, parent_row in frontier:
+                run = [head]
+                while len(children[run[-1]]) == 1 and below[run[-1]] > _PACKED_TAIL:
+                    run.append(next(iter(children[run[-1]].values())))
+                tail = fed_subtree(run[-1]) if below[run[-1]] <= _PACKED_TAIL else []
+                row = len(rows)
+                rows.append(run + tail)
+                row_parent.append(parent_row)
+                row_run.append(len(run))
+                levels[-1].append(row)
+                continuing = [] if tail else [(c, row) for c in children[run[-1]].values() if children[c]]
+                if continuing:
+                    handing.add(row)
+                next_frontier += continuing
+            frontier = next_frontier
+
+        decoder, head_layer = self.model.get_decoder(), self.model.get_output_embeddings()
+        cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+        layers = self.model.config.num_hidden_layers
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [rows, heads, length, dim]
+        past_count = torch.zeros(0, dtype=torch.long)  # valid (left-aligned) entries per row
+        past_row: dict[int, int] = {}
+        for members in levels:
+            members.sort(key=lambda r: len(rows[r]))
+            buckets, current = [], []
+            for r in members:  # similar widths together: padding costs compute only inside a bucket
+                if current and (len(rows[r]) > 1.25 * len(rows[current[0]]) + 2 or len(current) >= 512):
+                    buckets.append(current)
+                    current = []
+                current.append(r)
+            buckets.append(current)
+            handing_on = [r for r in members if r in handing]  # rows whose K/V the next level needs
+            next_index = {r: k for k, r in enumerate(handing_on)}
+            parents = torch.tensor([past_row[row_parent[r]] for r in members]) if past else None
+            prefix_counts = past_count[parents] if past else torch.zeros(len(members), dtype=torch.long)
+            place = {r: k for k, r in enumerate(members)}
+            counts = torch.tensor([int(prefix_counts[place[r]]) + len(rows[r]) for r in handing_on], dtype=torch.long)
+            span = int(counts.max()) if len(counts) else 0
+            level_past: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for bucket in buckets:
+                where = torch.tensor([place[r] for r in bucket])
+                width = len(rows[bucket[-1]])
+                ids = torch.full((len(bucket), width), self._pad_id, dtype=torch.long)
+                positions = torch.zeros((len(bucket), width), dtype=torch.long)
+                tree = np.zeros((len(bucket), width, width), dtype=bool)
+                causal = np.tril(np.ones((width, width), dtype=bool))
+                for b, r in enumerate(bucket):
+                    nodes, run = rows[r], row_run[r]
+                    ids[b, : len(nodes)] = torch.tensor([token[n] for n in nodes])
+                    positions[b, : len(nodes)] = torch.tensor([depth[n] for n in nodes])
+                    tree[b, :run, :run] = causal[:run, :run]  # the run: plain causal attention
+                    local = {n: q for q, n in enumerate(nodes)}
+                    for q in range(run, len(nodes)):  # the packed tail: each node sees its ancestors
+                        tree[b, q] = tree[b, local[parent[nodes[q]]]]
+                        tree[b, q, q] = True
+                    tree[b, range(len(nodes), width), range(len(nodes), width)] = True  # padding sees itself
+                tree = torch.from_numpy(tree)
+                prefix_count = prefix_counts[where]
+                prefix_width = past[0][0].shape[2] if past else 0
+                cache = DynamicCache(config=self.model.config)
+                if past:
+                    for layer in range(layers):
+                        cache.update(past[layer][0][parents[where]], past[layer][1][parents[where]], layer)
+                valid = torch.arange(prefix_width)[None] < prefix_count[:, None]
+                mask = torch.cat([valid[:, None, :].expand(-1, width, -1), tree], dim=2)[:, None]
+                hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                 position_ids=positions.to(self.device), use_cache=True,
+                                 **{cache_arg: cache}).last_hidden_state
+                picks = [(b, q, n) for b, r in enumerate(bucket) for q, n in enumerate(rows[r]) if n in needed]
+                if picks:
+                    pick_rows = torch.tensor([b for b, _, _ in picks], device=self.device)
+                    pick_columns = torch.tensor([q for _, q, _ in picks], device=self.device)
+                    logits = torch.log_softmax(head_layer(hidden[pick_rows, pick_columns]).float() / temperature, -1)
+                    pairs = [(k, n, t) for k, (_, _, n) in enumerate(picks) for t in needed[n]]
+                    chosen = logits[torch.tensor([k for k, _, _ in pairs]), torch.tensor([t for _, _, t in pairs])]
+                    scores.update(zip([(n, t) for _, n, t in pairs], chosen.tolist(), strict=True))
+                keep = [(b, r) for b, r in enumerate(bucket) if r in next_index]
+                if not keep:
+                    continue
+                # Compact into the next level's K/V: each kept row's valid prefix entries, then its run's.
+                kept = torch.tensor([b for b, _ in keep])
+                targets = torch.tensor([next_index[r] for _, r in keep])
+                kept_count = prefix_count[kept]
+                kept_span = int(counts[targets].max())
+                slot = torch.arange(kept_span)[None]
+                gather = torch.where(slot < kept_count[:, None], slot, prefix_width + slot - kept_count[:, None])
+                gather = gather.clamp(max=prefix_width + width - 1).to(self.device)
+                for layer in range(layers):
+                    keys, values = cache.layers[layer].keys[kept], cache.layers[layer].values[kept]
+                    if len(level_past) == layer:
+                        shape = (len(handing_on), keys.shape[1], span, keys.shape[3])
+                        level_past.append((keys.new_zeros(shape), values.new_zeros(shape)))
+                    index = gather[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
+                    level_past[layer][0][targets, :, :kept_span] = keys.gather(2, index)
+                    level_past[layer][1][targets, :, :kept_span] = values.gather(2, index)
+            past, past_count, past_row = level_past, counts, next_index
+        for i, j, pairs in wanted:
+            result[i][j] = [scores[pair] for pair in pairs]
 
     def _forward(
         self,
@@ -277,6 +493,12 @@ class HFPolicy:
             )
         self.model.eval()
         self.version = version if version is not None else read_version(path, default=self.version + 1)
+
+
+def _check_score_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"score: temperature={temperature} must be > 0 (log-probs at temperature T are "
+                         "log_softmax(logits / T); greedy decoding has no distribution to score)")
 
 
 def read_version(path: str | Path, default: int = 0) -> int:

@@ -196,9 +196,13 @@ class VLLMPolicy:
     ) -> None:
         check_sampling_arguments(prompts, n, max_new_tokens, temperature, top_p, self.max_context)
 
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[float]:
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], *, temperature: float = 1.0
+              ) -> list[float]:
         if not prompt_ids:
             raise ValueError("score: prompt_ids is empty; the first token has no log-probability to condition on")
+        if temperature != 1.0:
+            raise NotImplementedError("score: the vllm backend scores untempered log-probs (temperature 1) only; "
+                                      "use ppo.sequence_logprobs(..., temperature=T) on the hf model for another T")
         if not completion_ids:
             return []
         ids = [*prompt_ids, *completion_ids]
