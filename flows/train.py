@@ -78,8 +78,9 @@ def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest
                 critic = fit
     if values is not None:
         history.append(values)
-    stages["advantage"] = adv = advantage(ctx, i, seg, values, main, policy)
-    stages["update"] = update(ctx, i, main, adv, policy, reference)
+    # The branch stages' continuations train too with ppo.train_on_continuations (else they are not read).
+    stages["advantage"] = adv = advantage(ctx, i, seg, values, main, policy, list(branches))
+    stages["update"] = update(ctx, i, main, adv, policy, reference, list(branches))
     return stages, critic
 
 

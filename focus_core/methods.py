@@ -65,12 +65,14 @@ register_method(Method(
     "focus", "segment_td_lambda", "critic", "ivr_greedy",
     "TD(λ) over compression segments; V̂ = cross-fitted critic ensemble ⊕ continuation returns; "
     "continuations where the critic is least sure",
+    presets={"ppo": {"train_on_continuations": True}},  # every generated token trains, as in Tree-GRPO/TreeRL
 ))
-# VinePPO spreads its budget once: with no critic to refit, more rounds would change nothing.
+# VinePPO spreads its budget once: with no critic to refit, more rounds would change nothing. Its paper
+# uses the continuations for values only, so they do not train the policy.
 register_method(Method(
     "vineppo", "vineppo", "monte_carlo", "uniform_all",
     "TD(0) with Monte-Carlo values: K continuations per state, s_0 pooled over the prompt's group",
-    strategy_fixed=True, presets={"acquisition": {"rounds": 1}},
+    strategy_fixed=True, presets={"acquisition": {"rounds": 1}, "ppo": {"train_on_continuations": False}},
 ))
 # Group-relative advantages are already normalised per group: no second whitening over the batch.
 register_method(Method(

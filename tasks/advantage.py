@@ -8,10 +8,19 @@ policy's value-head values at every token of the rollouts, computed here with th
 them. A main episode the budget cut off is masked: it gets a group of its own and advantage 0, and the
 update leaves it out. Writes ``advantages`` (one row per segment) and, for token-level estimators,
 ``token_advantages`` (per-token values, advantages and value targets the update trains on).
+
+What trains: the segments of the main episodes, and with ``ppo.train_on_continuations`` (on for FOCUS, off
+for VinePPO, refused for methods that do not branch) also every segment of every continuation of the
+branch stages, keyed by its own episode id (``focus_core.continuations``). A continuation's first segment
+starts at its parent state, whose value is the parent's leave-one-out value (its out-of-fold critic prior
+and the state's other returns); its later states, new to the critic, get the last round's full critic
+evaluated on their features (the policy's mean-pooled hidden states, as in stage segment); without a critic
+VinePPO's r_k + V̂(s_{k+1}) rule. A continuation the budget cut is masked like a main episode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,19 +30,38 @@ from prefect.cache_policies import NO_CACHE
 
 from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
-from focus_core.rollouts import training_sequences
+from focus_core.continuations import continuation_values, observed_returns
+from focus_core.critic import EnsembleCritic
+from focus_core.features import policy_context_features, with_scalar_features
+from focus_core.rollouts import states_table, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
-from tasks.inputs import load_value_head, policy_at, read
+from tasks.inputs import CRITIC_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage
 
 STAGE = "advantage"
+# The states columns the batch and the advantages table read (main and continuation states alike).
+COLUMNS = ("run_id", "iteration", "episode_id", "segment_idx", "state_id", "policy_version", "segment_reward",
+           "segment_generated_tokens")
 
 
 def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout: Manifest, policy: Manifest,
-            scratch: Path) -> StageResult:
+            scratch: Path, branches: Sequence[Manifest] = ()) -> StageResult:
     cfg = ctx.config
-    states = read(ctx, segment, "states")
+    method = cfg.method_row
+    main_states, episodes = read(ctx, segment, "states"), read(ctx, rollout, "episodes")
+    states, value_of, n_continuations = main_states.select(COLUMNS), {}, 0
+    if method.values in ("critic", "monte_carlo"):
+        table = read(ctx, values, "values")
+        value_of = dict(zip(zip(table.column("episode_id").to_pylist(), table.column("segment_idx").to_pylist(),
+                                strict=True), table.column("value").to_pylist(), strict=True))
+        if cfg.ppo.train_on_continuations:
+            more, more_episodes, more_values = _continuations(ctx, main_states, episodes, table, values, policy,
+                                                              branches)
+            n_continuations = more.num_rows
+            value_of |= more_values
+            states = pa.concat_tables([states, more.select(COLUMNS)])
+            episodes = pa.concat_tables([episodes, more_episodes])
     # Segments of one episode in order; `lengths` segments per episode (the ragged-batch layout).
     order = np.lexsort((states.column("segment_idx").to_numpy(), states.column("episode_id").to_numpy(
         zero_copy_only=False)))
@@ -42,7 +70,6 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     segment_idx = states.column("segment_idx").to_pylist()
     boundaries = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
     lengths = np.diff(np.r_[boundaries, len(episode)])
-    episodes = read(ctx, rollout, "episodes")
     ids = list(episode[boundaries])
     column = {name: dict(zip(episodes.column("episode_id").to_pylist(), episodes.column(name).to_pylist(), strict=True))
               for name in ("group_id", "reward", "budget_cut")}
@@ -51,12 +78,7 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     batch = {"rewards": states.column("segment_reward").to_numpy(), "lengths": lengths,
              "outcomes": np.array([column["reward"][e] for e in ids], dtype=np.float64), "groups": groups,
              "segment_tokens": states.column("segment_generated_tokens").to_numpy()}
-    method = cfg.method_row
-    sequences = None
     if method.values in ("critic", "monte_carlo"):
-        table = read(ctx, values, "values")
-        value_of = dict(zip(zip(table.column("episode_id").to_pylist(), table.column("segment_idx").to_pylist(),
-                                strict=True), table.column("value").to_pylist(), strict=True))
         batch["values"] = np.array([value_of[key] for key in zip(episode, segment_idx, strict=True)])
     elif method.values == "value_head":
         sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=ids)
@@ -87,13 +109,66 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
         }, schema=schema_for("token_advantages"))
     figures = {"segments": n, "mean_advantage": float(np.mean(advantage)), "std_advantage": float(np.std(advantage)),
                "nonzero": int((np.abs(advantage) > 1e-9).sum()), "masked_episodes": int(cut.sum())}
+    if cfg.ppo.train_on_continuations:
+        figures["continuation_segments"] = n_continuations
     return StageResult(tables=tables, figures=figures, policy_version=segment.policy_version)
+
+
+def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Table, value_table: pa.Table,
+                   values: Manifest, policy: Manifest, branches: Sequence[Manifest]
+                   ) -> tuple[pa.Table, pa.Table, dict[tuple[str, int], float]]:
+    """The continuations' states and episodes (every branch round), and V̂ at each of their segment starts."""
+    parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
+    if not sum(episodes.num_rows for _, episodes in parts):
+        return main_states.slice(0, 0), main_episodes.slice(0, 0), {}
+    episodes = pa.concat_tables([episodes for _, episodes in parts])
+    states = pa.concat_tables([states_table(rollouts, episodes) for rollouts, episodes in parts])
+    states = states.take(np.lexsort((states.column("segment_idx").to_numpy(),
+                                     np.array(states.column("episode_id").to_pylist(), dtype=object))))
+    episode = np.array(states.column("episode_id").to_pylist(), dtype=object)
+    segment_idx = states.column("segment_idx").to_numpy()
+    first = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
+    lengths = np.diff(np.r_[first, len(episode)]).astype(np.int64)
+    row = {e: i for i, e in enumerate(episodes.column("episode_id").to_pylist())}
+    at = [row[e] for e in episode[first]]
+    parent, reward, cut = (np.array(episodes.column(c).to_pylist(), dtype=object)[at]
+                           for c in ("parent_state_id", "reward", "budget_cut"))
+    starts = np.array(states.column("state_id").to_pylist(), dtype=object)[first]
+    if (starts != parent).any():
+        raise ValueError(f"advantage: continuation {episode[first][starts != parent][0]} does not start in its "
+                         f"parent state; the branch tables are not the ones that produced it")
+    prior = {}
+    for state, mean, var in zip(*(value_table.column(c).to_pylist() for c in ("state_id", "critic_mean", "critic_var")),
+                                strict=True):
+        prior.setdefault(state, (np.nan if mean is None else mean, np.nan if var is None else var))
+    seen = observed_returns(main_states, main_episodes, episodes)
+    later = np.full(len(episode), np.nan)
+    rest = np.setdiff1d(np.arange(len(episode)), first)
+    if ctx.config.uses_critic and rest.size:
+        if CRITIC_FOLDER not in values.files:
+            raise ValueError(f"advantage: {values.stage} has no critic checkpoint for the continuations' states")
+        contexts = states.column("context_token_ids").take(pa.array(rest)).to_pylist()
+        features = with_scalar_features(policy_context_features(policy_at(ctx, policy).model, contexts),
+                                        segment_idx[rest].astype(np.float32))
+        critic = EnsembleCritic.load(ctx.store.fetch_folder(ctx.run_id, values.iteration, values.stage, CRITIC_FOLDER))
+        later[rest] = critic.predict(features)[0]
+    value = continuation_values(
+        states.column("segment_reward").to_numpy(), lengths,
+        prior_mean=np.array([prior[s][0] for s in parent], dtype=np.float64),
+        prior_var=np.array([prior[s][1] for s in parent], dtype=np.float64),
+        return_sum=np.array([seen.get(s, (0.0, 0))[0] for s in parent], dtype=np.float64),
+        return_n=np.array([seen.get(s, (0.0, 0))[1] for s in parent], dtype=np.float64),
+        own_return=reward.astype(np.float64), counted=~cut.astype(bool), later=later)
+    return states, episodes, dict(zip(zip(episode, segment_idx.tolist(), strict=True), value.tolist(), strict=True))
 
 
 @task(name="advantage", retries=1, cache_policy=NO_CACHE)
 def advantage(ctx: RunContext, iteration: int, segment: Manifest, values: Manifest | None,
-              rollout: Manifest, policy: Manifest) -> Manifest:
+              rollout: Manifest, policy: Manifest, branches: Sequence[Manifest] = ()) -> Manifest:
+    on = ctx.config.ppo.train_on_continuations
     upstream = {"segment": segment, "rollout": rollout, "policy": policy,
-                **({"values": values} if values is not None else {})}
-    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields("method", "advantage"), upstream=upstream,
-                     compute=lambda scratch: compute(ctx, segment, values, rollout, policy, scratch))
+                **({"values": values} if values is not None else {}),
+                **({f"branch_{k}": m for k, m in enumerate(branches)} if on else {})}
+    depends = ctx.fields("method", "advantage") | (ctx.fields("ppo.train_on_continuations") if on else {})
+    return run_stage(ctx, iteration, STAGE, depends_on=depends, upstream=upstream,
+                     compute=lambda scratch: compute(ctx, segment, values, rollout, policy, scratch, branches))

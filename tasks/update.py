@@ -1,4 +1,5 @@
-"""Stage 7 — update: PPO-clip on the main rollouts' policy tokens with their advantages.
+"""Stage 7 — update: PPO-clip on the policy tokens of the main rollouts — and, with
+``ppo.train_on_continuations`` (FOCUS's default), of the continuations — with their advantages.
 
 Each segment of each main episode is one training sequence (the context restarts at every
 compression), with exactly the stored token ids and sampling log-probs — nothing is re-tokenized. Every
@@ -6,6 +7,12 @@ policy token of a segment gets the segment's advantage, or its own token advanta
 estimator (``token_advantages``, PPO+GAE, whose value head trains jointly on the stored value targets);
 with ``advantage.whiten`` the token advantages are whitened over the batch. Main episodes the budget cut
 off are left out. The PPO ratio uses log-probs at the sampling temperature ``agent.temperature``.
+
+With ``ppo.train_on_continuations`` every segment of every continuation the budget did not cut is a
+sequence too, with the advantage stage's row for (its episode id, segment): its first row is the parent
+state's context with loss mask 0, so the shared prefix is a prompt, never trained twice, and only the tokens
+the continuation generated are (``focus_core.continuations.update_sequences``). The figures
+``policy_tokens_main`` and ``policy_tokens_continuations`` split the trained tokens by where they came from.
 
 The optimizer's state (AdamW moments and step counts) is committed inside the policy checkpoint
 (``ppo.save_optimizer_state``, no pickles) and the next iteration continues from it, so a resumed run
@@ -16,6 +23,7 @@ checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +34,9 @@ from tqdm.auto import tqdm
 
 from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
+from focus_core.continuations import update_sequences
 from focus_core.ppo import load_optimizer_state, policy_update, save_optimizer_state
-from focus_core.rollouts import token_advantages, training_sequences
+from focus_core.rollouts import token_advantages
 from focus_core.schemas import schema_for
 from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage
@@ -36,12 +45,10 @@ STAGE = "update"
 
 
 def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy_manifest: Manifest,
-            reference: Manifest, scratch: Path) -> StageResult:
+            reference: Manifest, scratch: Path, branches: Sequence[Manifest] = ()) -> StageResult:
     cfg = ctx.config
-    episodes = read(ctx, rollout, "episodes")
-    kept = [e for e, cut in zip(episodes.column("episode_id").to_pylist(), episodes.column("budget_cut").to_pylist(),
-                                strict=True) if not cut]
-    sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=kept)
+    sources = [rollout] + ([m for m in branches if not m.skipped] if cfg.ppo.train_on_continuations else [])
+    sequences, part = update_sequences([(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in sources])
     value_returns = old_values = None
     if "token_advantages" in advantages.tables:
         per_token = _per_sequence(read(ctx, advantages, "token_advantages"), sequences)
@@ -70,7 +77,10 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         head.save(scratch / POLICY_FOLDER)
     rows = [{"run_id": ctx.run_id, "iteration": iteration, "policy_version": policy_manifest.policy_version, **row}
             for row in report.rows]
+    tokens = np.array([q.generated_tokens for q in sequences], dtype=np.int64)
     figures = {"steps": len(report.rows), "sequences": report.sequences, "policy_tokens": report.policy_tokens,
+               "policy_tokens_main": int(tokens[part == 0].sum()),
+               "policy_tokens_continuations": int(tokens[part > 0].sum()),
                "kl": report.kl, "clip_fraction": report.clip_fraction, "entropy": report.entropy,
                "approx_kl": report.approx_kl, "logprob_gap": report.behaviour_logprob_gap}
     if report.value_loss is not None:
@@ -91,9 +101,11 @@ def _per_sequence(table: pa.Table, sequences) -> dict[str, list[np.ndarray]]:
 
 @task(name="update", retries=1, cache_policy=NO_CACHE)
 def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy: Manifest,
-           reference: Manifest) -> Manifest:
-    upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference}
+           reference: Manifest, branches: Sequence[Manifest] = ()) -> Manifest:
+    upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference,
+                **({f"branch_{k}": m for k, m in enumerate(branches)} if ctx.config.ppo.train_on_continuations else {})}
     return run_stage(ctx, iteration, STAGE,
                      depends_on=ctx.fields("seed", "ppo", "advantage.whiten", "agent.temperature"),
                      upstream=upstream,
-                     compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch))
+                     compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch,
+                                                     branches))

@@ -20,7 +20,12 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
+import tasks.advantage
+import tasks.update
 from focus_core.artifacts import ArtifactStore
+from focus_core.config import validate_config
+from focus_core.rollouts import training_sequences
+from tasks.stage import RunContext
 
 pytestmark = pytest.mark.slow
 
@@ -87,10 +92,11 @@ def comparable(rows: list[dict]) -> list[str]:
     return sorted(json.dumps(row, sort_keys=True, default=str) for row in rows)
 
 
-def test_train_two_iterations_local_then_inspect(tmp_path):
+def test_train_two_iterations_local_then_inspect(tmp_path, monkeypatch):
     config = write_config(tmp_path, iterations=2)
     focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "e2e", cwd=tmp_path)
     store = ArtifactStore(tmp_path / "runs")
+    check_continuations_train(store, "e2e", monkeypatch)
     info = store.run_info("e2e")
     assert info["status"] == "finished"
     stages = {(i, s) for i, s, _ in store.committed("e2e")}
@@ -118,6 +124,57 @@ def test_train_two_iterations_local_then_inspect(tmp_path):
     runs = focus("runs", "--store", str(tmp_path / "runs"), cwd=tmp_path).stdout
     row = next(line for line in runs.splitlines() if line.startswith("e2e "))
     assert "finished" in row and " focus " in row and "2/2" in row
+
+
+def check_continuations_train(store: ArtifactStore, run_id: str, monkeypatch) -> None:
+    """FOCUS trains its continuations (ppo.train_on_continuations): every segment of every continuation has its
+    own advantage (0 if the budget cut it), the update trains each generated token of the uncut episodes once;
+    with the setting off, the stages give today's main-episode advantages and train only the main sequences."""
+    episodes, rollouts = table_rows(store, run_id, "episodes"), table_rows(store, run_id, "rollouts")
+    advantages = {(a["iteration"], a["episode_id"], a["segment_idx"]): a
+                  for a in table_rows(store, run_id, "advantages")}
+    for iteration in (0, 1):
+        branch = {e["episode_id"]: e for e in episodes if e["iteration"] == iteration and e["is_branch"]}
+        segments = {(r["episode_id"], r["segment_idx"]) for r in rollouts if r["episode_id"] in branch}
+        assert segments and all((iteration, *key) in advantages for key in segments)
+        assert all(advantages[(iteration, e, k)]["advantage"] == 0.0 for e, k in segments if branch[e]["budget_cut"])
+        first = {e: min(k for b, k in segments if b == e) for e in branch}
+        assert all(advantages[(iteration, e, k)]["state_id"] == branch[e]["parent_state_id"] for e, k in first.items())
+        figures = store.manifest(run_id, iteration, "update").figures
+        tokens = {kind: sum(e["generated_tokens"] for e in episodes if e["iteration"] == iteration
+                            and e["is_branch"] == kind and not e["budget_cut"]) for kind in (False, True)}
+        assert figures["policy_tokens_main"] == tokens[False] and figures["policy_tokens_continuations"] == tokens[True]
+        assert figures["policy_tokens"] == tokens[False] + tokens[True] and tokens[True] > 0
+
+    # The same stages with the setting off, in this process, on the committed inputs of iteration 0.
+    cfg = store.run_info(run_id)["config"]
+    ctx = RunContext(store, run_id, validate_config({**cfg, "ppo": {**cfg["ppo"], "train_on_continuations": False}}))
+    m = {stage: store.manifest(run_id, 0, stage) for stage in ("bootstrap", "rollout", "segment", "branch_r0",
+                                                              "fit_critic_r0", "advantage")}
+    with tempfile.TemporaryDirectory() as scratch:
+        off = tasks.advantage.compute(ctx, m["segment"], m["fit_critic_r0"], m["rollout"], m["bootstrap"],
+                                      Path(scratch), [m["branch_r0"]])
+    main = {e["episode_id"] for e in episodes if e["iteration"] == 0 and not e["is_branch"]}
+    assert comparable(off.tables["advantages"].to_pylist()) == comparable(
+        [a for key, a in advantages.items() if key[0] == 0 and key[1] in main])
+    trained = []
+    real_update = tasks.update.policy_update
+    monkeypatch.setattr(tasks.update, "policy_update",
+                        lambda model, sequences, *args, **kwargs: trained.append(sequences) or real_update(
+                            model, sequences, *args, **kwargs))
+    with tempfile.TemporaryDirectory() as scratch:
+        result = tasks.update.compute(ctx, 0, m["rollout"], m["advantage"], m["bootstrap"], m["bootstrap"],
+                                      Path(scratch), [m["branch_r0"]])
+    kept = [e["episode_id"] for e in episodes if e["episode_id"] in main and not e["budget_cut"]]
+    today = training_sequences(store.read_table(run_id, 0, "rollout", "rollouts"), episode_ids=kept)
+    assert [(q.episode_id, q.segment_idx, q.token_ids.tolist(), q.loss_mask.tolist()) for q in trained[0]] == [
+        (q.episode_id, q.segment_idx, q.token_ids.tolist(), q.loss_mask.tolist()) for q in today]
+    assert result.figures["policy_tokens"] == result.figures["policy_tokens_main"] == tokens_of(today)
+    assert result.figures["policy_tokens_continuations"] == 0
+
+
+def tokens_of(sequences) -> int:
+    return sum(q.generated_tokens for q in sequences)
 
 
 def test_train_against_seaweedfs_s3(tmp_path, s3_store_root):
