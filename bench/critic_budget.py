@@ -11,7 +11,19 @@ critic and the value used for advantages are then compared with the exact V^π:
                (critic and branch returns combined, method.md §9.5) and A* uses V^π, both TD(λ)
   sign_acc     fraction of segments with A*_k ≠ 0 whose advantage sign is right
 
-All strategies of one (env, seed) share the main trajectories, so their differences are paired.
+All strategies of one (env, seed) share the main trajectories, so their differences are paired. Per cell
+(env × strategy × budget) the summary also has
+
+  critic_mse_ratio     mean critic_mse / that of uniform_random (same seeds)
+  oracle_gap_captured  mean(U − S) / mean(U − O) over seeds, U, S, O the critic_mse of uniform_random, the
+                       strategy and the oracle (1 = the oracle's gain, 0 = none), ± its delta-method se
+  spearman             per round, the Spearman correlation between the strategy's scores (how much it wants each
+                       state) and the actual |μ − V^π| of the critic it read, averaged over rounds and seeds
+                       (none for the uniform rules, whose scores are all equal)
+
+and the JSON names the pipeline's ``default_strategy``. The error-predicting rules get the candidates'
+features, the returns the critic was fitted on, and out-of-bag values: members whose Poisson bootstrap gave
+a state's returns weight 0 (the pipeline cross-fits by task folds instead).
 
     python bench/critic_budget.py --quick --json bench/out/critic_budget.json --plot bench/out/critic_budget.png
 """
@@ -32,14 +44,16 @@ import numpy as np
 from focus_core.acquisition import (
     STRATEGIES,
     Candidates,
+    Observations,
     Request,
     advantage_sensitivity,
     allocate,
     combine_estimates,
+    spearman,
 )
 from focus_core.advantages import segment_td_lambda_batch
 from focus_core.config import AcquisitionConfig, CriticConfig
-from focus_core.critic import EnsembleCritic
+from focus_core.critic import EnsembleCritic, out_of_bag_mean
 from focus_core.envs.traps import ExactValueEnv, make_trap_env
 from focus_core.features import hashed_text_features, with_scalar_features
 
@@ -49,11 +63,12 @@ FULL_GRID = {
     "seeds": 10,
     "strategies": sorted(STRATEGIES),
 }
-QUICK_GRID = {
+QUICK_GRID = {  # about 2.5 minutes on one core
     "envs": ["combination_lock", "lookup_chain"],
-    "budget_ratios": [0.25, 0.5],
+    "budget_ratios": [0.25, 0.5, 1.0, 2.0],  # 1-2 × the main tokens is the pipeline's operating point
     "seeds": 3,
-    "strategies": ["uniform_all", "uniform_random", "ivr_greedy", "oracle"],
+    "strategies": sorted({"uniform_all", "uniform_random", "ivr_greedy", "residual_knn", "oracle",
+                          AcquisitionConfig().strategy}),
 }
 
 
@@ -157,9 +172,39 @@ def segment_values(batch: MainBatch, value_of_segment: np.ndarray) -> np.ndarray
     return np.array(out)
 
 
+def fit_critic(table: StateTable, data: ReturnCounts, settings: Settings) -> tuple[EnsembleCritic, np.ndarray]:
+    """A fresh critic fitted on every return seen so far, and its members' predictions at every table state."""
+    critic = EnsembleCritic(settings.critic, n_features=settings.feature_dim + 2)  # + 2 scalar features
+    features = table.feature_matrix()
+    critic.fit(features, *data.padded(len(table.states)))
+    return critic, critic.predict_members(features)
+
+
+def candidate_view(table: StateTable, critic: EnsembleCritic, members: np.ndarray, data: ReturnCounts,
+                   candidates: np.ndarray) -> dict:
+    """What the error-predicting rules read: the candidates' features, the returns the critic was fitted on, and
+    out-of-bag values (members whose bootstrap left a state's returns out), at the candidates and at every
+    observed state."""
+    size = len(table.states)
+    weight = np.pad(critic.bootstrap_weight, ((0, 0), (0, size - critic.bootstrap_weight.shape[1])))
+    oob = out_of_bag_mean(members, weight)
+    total, count = data.padded(size)
+    observed = np.flatnonzero(count > 0)
+    row = np.full(size, -1)
+    row[observed] = np.arange(len(observed))
+    features = table.feature_matrix()
+    observations = Observations(features[observed], total[observed], count[observed],
+                                members.mean(0)[observed], oob[observed])
+    return {"features": features[candidates], "return_sum": total[candidates], "return_count": count[candidates],
+            "oof_mean": oob[candidates], "observations": observations, "observation_row": row[candidates]}
+
+
 def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.ndarray, strategy: str,
-                 budget: float, settings: Settings, seed: int) -> dict[str, float]:
-    """Spend `budget` continuation tokens with `strategy` in R rounds; score the final critic."""
+                 budget: float, settings: Settings, seed: int, first_fit: dict | None = None) -> dict[str, float]:
+    """Spend `budget` continuation tokens with `strategy` in R rounds; score the final critic.
+
+    ``first_fit`` caches the round-0 critic of a seed: it is fitted on the main trajectories' returns only, the
+    same data and seed for every strategy and budget, so it is fitted once."""
     rng = np.random.default_rng(seed)
     n_main = len(table.states)
     critic_data = ReturnCounts(n_main)  # every return seen from a state: the critic's targets
@@ -176,18 +221,27 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
     mean_remaining = {k: batch.remaining_tokens[batch.segment_idx == k].mean() for k in np.unique(batch.segment_idx)}
     cost = np.array([max(mean_remaining[seg_of_state[s]], 1.0) for s in candidates])
 
-    critic = EnsembleCritic(settings.critic, n_features=settings.feature_dim + 2)  # + 2 scalar features
     spent = 0.0
+    spearmans: list[float] = []
     for round_idx in range(settings.rounds + 1):
-        critic.fit(table.feature_matrix(), *critic_data.padded(len(table.states)))
+        if round_idx == 0 and first_fit is not None:
+            if "critic" not in first_fit:
+                first_fit["critic"] = fit_critic(table, critic_data, settings)[0]
+            critic = first_fit["critic"]
+            members = critic.predict_members(table.feature_matrix())  # the table grows with earlier runs' branches
+        else:
+            critic, members = fit_critic(table, critic_data, settings)
         if round_idx == settings.rounds or budget - spent <= 0:
             break
-        members = critic.predict_members(table.feature_matrix(candidates))
         already = branch_data.padded(n_main)[1][candidates]
         request = Request(budget_tokens=(budget - spent) / (settings.rounds - round_idx),
                           config=settings.acquisition.model_copy(update={"strategy": strategy}),
                           seed=seed * 1000 + round_idx)
-        alloc = allocate(Candidates(members, cost, weight, already=already, true_value=truth[candidates]), request)
+        view = candidate_view(table, critic, members, critic_data, candidates)
+        alloc = allocate(Candidates(members[:, candidates], cost, weight, already=already,
+                                    true_value=truth[candidates], **view), request)
+        # How well the strategy's wish list ranks the critic's actual error before this round's continuations.
+        spearmans.append(spearman(alloc.score, np.abs(members[:, candidates].mean(0) - truth[candidates])))
         for pos in np.flatnonzero(alloc.counts):
             state = candidates[pos]
             for _ in range(int(alloc.counts[pos])):
@@ -222,7 +276,14 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
         "spent_tokens": spent,
         "branched_states": int((branch_n[candidates] > 0).sum()),
         "candidate_states": len(candidates),
+        # Mean over rounds of the Spearman correlation between the strategy's scores and |μ − V^π| of the critic
+        # it read (None for the uniform rules, whose scores are all equal).
+        "spearman": _nan_to_none(float(np.nanmean(spearmans)) if np.isfinite(spearmans).any() else float("nan")),
     }
+
+
+def _nan_to_none(x: float) -> float | None:
+    return None if x is None or not np.isfinite(x) else float(x)
 
 
 def run_seed(env_name: str, seed: int, budget_ratios: Sequence[float], strategies: Sequence[str],
@@ -236,11 +297,12 @@ def run_seed(env_name: str, seed: int, budget_ratios: Sequence[float], strategie
     batch = play_main(env, policy, settings.main_trajectories, np.random.default_rng(seed), table)
     truth = env.exact_values(policy, list(table.states))  # exact V^π of the main trajectories' states
     rows = []
+    first_fit: dict = {}
     for ratio in [0.0, *budget_ratios]:
         for strategy in (["none"] if ratio == 0 else strategies):
             started = time.perf_counter()
             metrics = run_strategy(env, policy, table, batch, truth, strategy if ratio else "uniform_random",
-                                   ratio * batch.tokens, settings, seed)
+                                   ratio * batch.tokens, settings, seed, first_fit)
             rows.append({"env": env_name, "strategy": strategy, "budget_ratio": ratio, "seed": seed,
                          "main_tokens": batch.tokens, "seconds": time.perf_counter() - started, **metrics})
     return rows
@@ -249,6 +311,19 @@ def run_seed(env_name: str, seed: int, budget_ratios: Sequence[float], strategie
 def _mean_se(values: list[float]) -> tuple[float, float]:
     x = np.array(values)
     return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
+
+
+def gap_captured(uniform: np.ndarray, strategy: np.ndarray, oracle: np.ndarray) -> tuple[float, float]:
+    """Share of the oracle's improvement over uniform_random that a strategy captures, paired by seed:
+    R = mean(U − S) / mean(U − O), with its standard error by the delta method, sqrt(var(D − R G) / n) / |mean G|
+    for D = U − S and G = U − O per seed (1 = as good as the oracle, 0 = no better than uniform_random; a ratio
+    of means, because one seed where the oracle barely beats uniform would blow up a mean of per-seed ratios)."""
+    d, g = np.asarray(uniform) - np.asarray(strategy), np.asarray(uniform) - np.asarray(oracle)
+    if len(d) == 0 or g.mean() == 0:
+        return float("nan"), float("nan")
+    ratio = d.mean() / g.mean()
+    se = float(np.std(d - ratio * g, ddof=1) / np.sqrt(len(d)) / abs(g.mean())) if len(d) > 1 else 0.0
+    return float(ratio), se
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -260,10 +335,29 @@ def summarise(rows: list[dict]) -> list[dict]:
         critic_mean, critic_se = _mean_se([g["critic_mse"] for g in group])
         adv_mean, adv_se = _mean_se([g["adv_mse"] for g in group])
         sign_mean, sign_se = _mean_se([g["sign_acc"] for g in group])
-        out.append({"env": env, "strategy": strategy, "budget_ratio": ratio, "seed_count": len(group),
-                    "critic_mse_mean": critic_mean, "critic_mse_se": critic_se,
-                    "adv_mse_mean": adv_mean, "adv_mse_se": adv_se,
-                    "sign_acc_mean": sign_mean, "sign_acc_se": sign_se})
+        cell = {"env": env, "strategy": strategy, "budget_ratio": ratio, "seed_count": len(group),
+                "critic_mse_mean": critic_mean, "critic_mse_se": critic_se,
+                "adv_mse_mean": adv_mean, "adv_mse_se": adv_se,
+                "sign_acc_mean": sign_mean, "sign_acc_se": sign_se,
+                "critic_mse_ratio": None, "oracle_gap_captured": None, "oracle_gap_captured_se": None,
+                "spearman": None, "spearman_se": None}
+        rhos = [g["spearman"] for g in group if g.get("spearman") is not None]
+        if rhos:
+            cell["spearman"], cell["spearman_se"] = _mean_se(rhos)
+        by_seed = {g["seed"]: g["critic_mse"] for g in group}
+        uniform = {g["seed"]: g["critic_mse"] for g in groups.get((env, "uniform_random", ratio), [])}
+        oracle = {g["seed"]: g["critic_mse"] for g in groups.get((env, "oracle", ratio), [])}
+        paired = sorted(set(by_seed) & set(uniform))
+        if paired and strategy != "none":
+            mse, base = np.array([by_seed[k] for k in paired]), np.array([uniform[k] for k in paired])
+            cell["critic_mse_ratio"] = float(mse.mean() / base.mean())
+            paired = sorted(set(paired) & set(oracle))
+            if paired:
+                gap, gap_se = gap_captured(np.array([uniform[k] for k in paired]),
+                                           np.array([by_seed[k] for k in paired]),
+                                           np.array([oracle[k] for k in paired]))
+                cell["oracle_gap_captured"], cell["oracle_gap_captured_se"] = _nan_to_none(gap), _nan_to_none(gap_se)
+        out.append(cell)
     return out
 
 
@@ -287,7 +381,7 @@ def plot(summary: list[dict], path: Path) -> None:
                 y = np.array([p[f"{key}_mean"] for p in pts])
                 se = np.array([p[f"{key}_se"] for p in pts])
                 ax.errorbar(x, y, yerr=se, marker="o", capsize=2, label=strategy,
-                            linewidth=2.5 if strategy == "ivr_greedy" else 1.2)
+                            linewidth=2.5 if strategy == AcquisitionConfig().strategy else 1.2)
             for r in rows:
                 if r["strategy"] == "none":
                     ax.axhline(r[f"{key}_mean"], color="grey", linestyle=":", label="no branches")
@@ -302,16 +396,24 @@ def plot(summary: list[dict], path: Path) -> None:
 
 
 def print_table(summary: list[dict]) -> None:
-    print(f"{'env':18} {'strategy':15} {'ratio':>5} {'critic_mse':>19} {'adv_mse':>19} {'sign_acc':>8}")
+    print(f"{'env':18} {'strategy':15} {'ratio':>5} {'critic_mse':>19} {'/uniform':>8} {'oracle gap':>14} "
+          f"{'spearman':>8} {'adv_mse':>19} {'sign_acc':>8}")
+
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-".rjust(len(format(0.0, spec)))
+
     for r in summary:
+        gap = (f"{r['oracle_gap_captured']:+.2f} ± {r['oracle_gap_captured_se']:.2f}"
+               if r["oracle_gap_captured"] is not None else "-")
         print(f"{r['env']:18} {r['strategy']:15} {r['budget_ratio']:5.2f} "
-              f"{r['critic_mse_mean']:.5f} ± {r['critic_mse_se']:.5f}  {r['adv_mse_mean']:.5f} ± {r['adv_mse_se']:.5f} "
-              f"{r['sign_acc_mean']:8.3f}")
+              f"{r['critic_mse_mean']:.5f} ± {r['critic_mse_se']:.5f} {fmt(r['critic_mse_ratio'], '8.3f')} {gap:>14} "
+              f"{fmt(r['spearman'], '8.3f')} "
+              f"{r['adv_mse_mean']:.5f} ± {r['adv_mse_se']:.5f} {r['sign_acc_mean']:8.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="reduced grid (3 seeds, 2 budgets, 4 strategies)")
+    parser.add_argument("--quick", action="store_true", help="reduced grid (3 seeds, 4 budgets, 5 strategies)")
     parser.add_argument("--seeds", type=int, help="number of seeds (default 10, quick 3)")
     parser.add_argument("--envs", nargs="+", help="environments to run")
     parser.add_argument("--strategies", nargs="+", help="strategies to run")
@@ -347,8 +449,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(summary)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": summary, "rows": rows, "grid": grid,
-                                         "seconds": time.perf_counter() - started}, indent=1))
+        args.json.write_text(json.dumps({"default_strategy": AcquisitionConfig().strategy, "results": summary,
+                                         "rows": rows, "grid": grid, "seconds": time.perf_counter() - started},
+                                        indent=1))
     if args.plot:
         plot(summary, args.plot)
     return 0

@@ -14,6 +14,11 @@ the state's Monte-Carlo returns that are independent of the row's episode: its c
 returns of the *other* main episodes that visited it (s_0 pools its group, leave-one-out). A full ensemble
 on all data is also fitted and checkpointed: it is what the next acquisition round reads.
 
+Whether selective branching paid shows in two figures per round (``acquisition_check``): the error of the critic
+acquisition read on the states it branched, against their new continuations (``critic_error_before``), and the
+Spearman correlation of the acquisition score with that error (``score_error_spearman``); MLflow logs them as
+``fit_critic_r{r}.critic_error_before`` and ``fit_critic_r{r}.score_error_spearman``.
+
 VinePPO has no critic: its value is the same leave-one-out Monte-Carlo mean, and a state without any
 return gets r_k + V̂(s_{k+1}), as the paper does beyond its value-estimation cap (δ = 0 there).
 PPO+GAE takes its values from the policy's value head (stage advantage); the GRPO family has no values.
@@ -29,7 +34,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from focus_core.acquisition import combine_estimates
+from focus_core.acquisition import combine_estimates, spearman
 from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
@@ -63,6 +68,37 @@ def branch_observations(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[
                 returns.setdefault(state, []).append(value)
                 tokens.setdefault(state, []).append(spent)
     return returns, tokens
+
+
+def acquisition_check(ctx: RunContext, iteration: int, round_idx: int,
+                      branches: Sequence[Manifest]) -> dict[str, float]:
+    """Did this round's selective branching pay? Over the states branched in round r, with the critic predictions
+    and scores acquisition made *before* their continuations were sampled (its ``acquisition`` table):
+
+    * ``critic_error_before``: mean |V̂_before(s) − MC mean of the round's continuations from s|;
+    * ``score_error_spearman``: Spearman correlation of the acquisition score with that error (> 0: the rule
+      spent more where the critic was more wrong; absent when the scores are all equal, as a uniform rule's are).
+
+    Nothing without a critic prediction (the first round of a run) or without continuations.
+    """
+    grown = [m for m in branches if m.stage == f"branch_r{round_idx}" and not m.skipped]
+    if not grown:
+        return {}
+    plan = ctx.store.read_table(ctx.run_id, iteration, f"acquire_r{round_idx}", "acquisition")  # branch_r's upstream
+    returns, _ = branch_observations(ctx, grown)
+    score, error = [], []
+    for state, mean, wish in zip(*(plan.column(c).to_pylist() for c in ("state_id", "critic_mean", "score")),
+                                 strict=True):
+        if mean is not None and returns.get(state):
+            score.append(np.nan if wish is None else wish)
+            error.append(abs(mean - float(np.mean(returns[state]))))
+    if not error:
+        return {}
+    figures = {"critic_error_before": float(np.mean(error)), "critic_error_before_states": len(error)}
+    rho = spearman(np.array(score), np.array(error))
+    if np.isfinite(rho):
+        figures["score_error_spearman"] = rho
+    return figures
 
 
 def task_folds(task_ids: Sequence[str], folds: int, seed: int) -> dict[str, int]:
@@ -156,6 +192,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
             branch_mean = branch_sum[branched] / branch_n[branched]
             figures["oof_critic_vs_mc_mae"] = float(np.abs(prior_mean[branched] - branch_mean).mean())
             figures["critic_vs_mc_mae"] = float(np.abs(full_mean[branched] - branch_mean).mean())
+        figures |= acquisition_check(ctx, iteration, round_idx, branches)
     rows = states.num_rows
     tables["values"] = pa.table({
         "run_id": states.column("run_id"), "iteration": states.column("iteration"),

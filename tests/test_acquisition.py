@@ -9,11 +9,15 @@ from focus_core.acquisition import (
     STRATEGIES,
     Candidates,
     IntegratedVariance,
+    Observations,
     Request,
     advantage_sensitivity,
     allocate,
+    beta_posterior,
     combine_estimates,
     expected_error_reduction,
+    knn_residual_error,
+    spearman,
 )
 from focus_core.config import AcquisitionConfig
 from focus_core.critic import ensemble_covariance
@@ -112,7 +116,20 @@ def test_ivr_gain_of_a_repeatedly_picked_state_never_increases(seed, s):
     assert all(b <= a * (1 + 1e-9) + 1e-15 for a, b in zip(gains, gains[1:], strict=False))
 
 
-def _random_candidates(rng, s):
+def _random_candidates(rng, s, observed_elsewhere=False):
+    """Every field any strategy reads; with ``observed_elsewhere`` the error-predicting rules learn from a separate
+    set of observed states that holds some of the candidates (as in the benchmark), else from the candidates."""
+    count = rng.integers(0, 4, size=s)
+    features = rng.random((s, 3))
+    extra = {}
+    if observed_elsewhere:
+        r = int(rng.integers(0, 2 * s + 1))
+        obs_count = rng.integers(0, 4, size=r).astype(float)
+        observations = Observations(rng.random((r, 3)), rng.binomial(obs_count.astype(int), 0.5).astype(float),
+                                    obs_count, rng.random(r), rng.random(r) if rng.random() < 0.5 else None)
+        extra = {"observations": observations,
+                 "observation_row": np.where(rng.random(s) < 0.5, rng.integers(0, max(r, 1), size=s), -1)
+                 if r else np.full(s, -1)}
     return Candidates(
         member_predictions=rng.random((5, s)),
         cost=rng.integers(1, 400, size=s).astype(float),
@@ -121,15 +138,21 @@ def _random_candidates(rng, s):
         unseen=rng.integers(0, 2, size=s),
         entropy=rng.random(s),
         true_value=rng.random(s),
+        features=features,
+        return_sum=rng.binomial(count, 0.4).astype(float),
+        return_count=count.astype(float),
+        oof_mean=rng.random(s),
+        **extra,
     )
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), s=st.integers(1, 40), budget=st.floats(0, 20_000),
-       chunk=st.integers(1, 3), eps=st.floats(0, 1))
-def test_every_strategy_respects_budget_cap_and_chunks_and_repeats_for_a_seed(seed, s, budget, chunk, eps):
+       chunk=st.integers(1, 3), eps=st.floats(0, 1), observed_elsewhere=st.booleans())
+def test_every_strategy_respects_budget_cap_and_chunks_and_repeats_for_a_seed(seed, s, budget, chunk, eps,
+                                                                              observed_elsewhere):
     rng = np.random.default_rng(seed)
-    cands = _random_candidates(rng, s)
+    cands = _random_candidates(rng, s, observed_elsewhere)
     for name in STRATEGIES:
         rules = request(budget, name, seed, chunk_size=chunk, max_per_state=8, eps_uniform=eps)
         alloc = allocate(cands, rules)
@@ -150,7 +173,10 @@ def test_every_strategy_respects_budget_cap_and_chunks_and_repeats_for_a_seed(se
 
 def test_strategies_use_most_of_a_budget_when_states_are_plentiful():
     rng = np.random.default_rng(3)
-    cands = Candidates(rng.random((5, 200)), cost=np.full(200, 10.0), weight=np.ones(200), entropy=rng.random(200))
+    count = rng.integers(1, 3, size=200).astype(float)
+    cands = Candidates(rng.random((5, 200)), cost=np.full(200, 10.0), weight=np.ones(200), entropy=rng.random(200),
+                       features=rng.random((200, 4)), return_sum=rng.binomial(count.astype(int), 0.5).astype(float),
+                       return_count=count)
     for name in set(STRATEGIES) - {"oracle"}:
         alloc = allocate(cands, request(1000, name))
         assert alloc.estimated_tokens >= 1000 - 10 * 9, name  # at most one chunk (or vine) left unspent
@@ -224,3 +250,164 @@ def test_ivr_conditions_on_returns_the_critic_has_not_seen():
     scores = allocate(seen_first, request(2, "ivr_greedy", eps_uniform=0.0, chunk_size=2)).score
     assert scores[0] < allocate(plain, request(2, "ivr_greedy", eps_uniform=0.0, chunk_size=2)).score[0]
     assert first_plain in range(6) and np.isfinite(scores).all()
+
+
+# --- the error-predicting rules: each prefers the state whose error is planted --------------------------------
+
+
+def _two_clusters(n=6):
+    """n states near (0, 0) and n near (5, 5) in feature space, every critic member saying 0.5 with a little spread."""
+    rng = np.random.default_rng(0)
+    features = np.concatenate([rng.normal(0, 0.1, (n, 2)), rng.normal(5, 0.1, (n, 2))])
+    members = 0.5 + rng.normal(0, 0.01, (5, 2 * n))
+    return features, members
+
+
+def test_residual_knn_finds_the_cluster_whose_returns_contradict_the_critic():
+    """Cluster A's 4 returns per state are all 0 (V = 0 there, the critic says 0.5: a planted bias); cluster B's are
+    half 1 (the critic is right). The neighbours' returns, each state's own left out, find A; the ensemble's
+    spread is the same everywhere."""
+    features, members = _two_clusters()
+    count = np.full(12, 4.0)
+    successes = np.r_[np.zeros(6), np.full(6, 2.0)]
+    cands = Candidates(members, cost=np.ones(12), weight=np.ones(12), features=features, return_sum=successes,
+                       return_count=count, oof_mean=np.full(12, 0.5))
+    error_sq, se2, p = knn_residual_error(cands, 4)
+    # In A the 4 nearest other states returned 16 zeros: V̂₋ₛ = 0, ê = μ ≈ 0.5, p = (0 + μ)/(16 + 1) and
+    # se² = p(1 − p)/16; in B, V̂₋ₛ = 8/16 and p = (8 + μ)/17.
+    mu = cands.mean
+    np.testing.assert_allclose(error_sq, np.r_[mu[:6] ** 2, (mu[6:] - 0.5) ** 2])
+    np.testing.assert_allclose(p, np.r_[mu[:6] / 17, (8 + mu[6:]) / 17])
+    np.testing.assert_allclose(se2, p * (1 - p) / 16)  # zeros that agree: little noise in A
+    assert (np.maximum(error_sq[6:] - se2[6:], 0) == 0).all()  # B: |ê| ≈ 0.005 is well inside its se
+    # Cross-fitted: a state's own returns (which the critic partly memorised) never enter its own estimate.
+    flipped = Candidates(members, cost=np.ones(12), weight=np.ones(12), features=features,
+                         return_sum=np.r_[4.0, successes[1:]], return_count=count)
+    np.testing.assert_allclose(knn_residual_error(flipped, 4)[0][0], error_sq[0])
+    alloc = allocate(cands, request(8, "residual_knn", eps_uniform=0.0, chunk_size=2))
+    assert all(state < 6 for state in alloc.picks)
+    assert alloc.score[:6].min() > alloc.score[6:].max()
+
+
+def test_residual_knn_uses_observed_states_beyond_the_candidates():
+    """The candidates have no returns of their own; observed neighbours near candidate 0 all returned 0."""
+    features, members = _two_clusters(3)
+    observations = Observations(features + 0.01, np.r_[np.zeros(3), np.full(3, 1.0)], np.full(6, 2.0),
+                                critic_mean=np.full(6, 0.5), oof_mean=np.full(6, 0.5))
+    cands = Candidates(members[:, [0, 3]], cost=np.ones(2), weight=np.ones(2), features=features[[0, 3]],
+                       observations=observations, observation_row=np.array([-1, -1]))
+    alloc = allocate(cands, request(2, "residual_knn", eps_uniform=0.0, chunk_size=2, neighbours=3))
+    assert alloc.picks == [0]
+
+
+def test_beta_posterior_worked_example():
+    """μ = 0.3, κ = 4, two zeros: Beta(1.2, 4.8), mean 1.2/6 = 0.2, variance 0.2·0.8/7 = 0.022857."""
+    mean, var = beta_posterior(np.array([0.3, 0.3, 0.5]), 4.0, np.array([0.0, 2.0, 3.0]), np.array([2.0, 2.0, 6.0]))
+    np.testing.assert_allclose(mean, [0.2, (1.2 + 2) / 6, (2 + 3) / 10])
+    np.testing.assert_allclose(var, [0.2 * 0.8 / 7, (3.2 / 6) * (2.8 / 6) / 7, 0.25 / 11])
+    prior_mean, prior_var = beta_posterior(np.array([0.3]), 4.0, np.zeros(1), np.zeros(1))
+    assert (prior_mean[0], prior_var[0]) == (pytest.approx(0.3), pytest.approx(0.042))
+
+
+def test_beta_posterior_prefers_the_state_whose_returns_contradict_the_critic():
+    """Both states: critic 0.5 and 6 returns. State 0's are all 0 (a doomed state the critic missed), state 1's
+    are 3 of 6 (the critic is right): the posterior puts the error at state 0."""
+    members = np.array([[0.49, 0.49], [0.51, 0.51]])
+    cands = Candidates(members, cost=np.ones(2), weight=np.ones(2), return_sum=np.array([0.0, 3.0]),
+                       return_count=np.array([6.0, 6.0]), oof_mean=np.array([0.5, 0.5]))
+    alloc = allocate(cands, request(2, "beta_posterior", eps_uniform=0.0, chunk_size=2))
+    assert alloc.picks == [0] and alloc.score[0] > alloc.score[1]
+
+
+def test_novelty_prefers_the_state_far_from_every_observed_return():
+    features, members = _two_clusters()
+    lone = np.r_[features[:6], [[20.0, -20.0]]]  # six states observed together, one far away
+    cands = Candidates(members[:, :7], cost=np.ones(7), weight=np.ones(7), features=lone,
+                       return_sum=np.ones(7), return_count=np.full(7, 2.0))
+    alloc = allocate(cands, request(2, "novelty", eps_uniform=0.0, chunk_size=2))
+    assert alloc.picks == [6] and np.argmax(alloc.score) == 6
+    # Once it has continuations its density rises: the next chunks go to the crowd's (now rarer) states too.
+    more = allocate(cands, request(8, "novelty", eps_uniform=0.0, chunk_size=2))
+    assert more.counts[6] >= 2 and more.counts[:6].sum() >= 2
+
+
+def test_error_rules_need_their_inputs():
+    members = np.full((2, 3), 0.5)
+    bare = Candidates(members, cost=np.ones(3), weight=np.ones(3))
+    for name, field in (("residual_knn", "features"), ("beta_posterior", "return_sum"), ("novelty", "features")):
+        with pytest.raises(ValueError, match=f"{name}.*{field}|{field}"):
+            allocate(bare, request(2, name))
+    with pytest.raises(ValueError, match="observation_row"):
+        Candidates(members, cost=np.ones(3), weight=np.ones(3),
+                   observations=Observations(np.zeros((2, 1)), np.zeros(2), np.ones(2), np.full(2, 0.5)))
+
+
+def test_spearman_worked_examples():
+    assert spearman(np.array([1, 2, 3, 4]), np.array([10, 20, 40, 30])) == pytest.approx(0.8)
+    # ties get their average rank: ranks (0.5, 0.5, 2, 3) against (0, 1, 2, 3) -> 4.5 / sqrt(4.5 * 5)
+    assert spearman(np.array([1, 1, 2, 3]), np.array([1, 2, 3, 4])) == pytest.approx(4.5 / np.sqrt(22.5))
+    assert np.isnan(spearman(np.ones(5), np.arange(5)))  # a uniform rule ranks nothing
+    assert spearman(np.array([np.nan, 1, 2, 3]), np.array([5, 1, 2, 3])) == pytest.approx(1.0)
+
+
+# --- the pipeline's figure of whether branching paid ---------------------------------------------------------
+
+
+def test_fit_critic_reports_the_critic_error_before_and_its_rank_correlation_with_the_score(tmp_path):
+    """Round 1's plan scored states a, b, c (critic 0.5, 0.5, 0.9) and branched all three; their continuations
+    returned means 0.0, 0.5 and 0.5 (a cut-off continuation of b is not a return). Errors before: 0.5, 0, 0.4, so
+    critic_error_before = 0.3; scores 3, 1, 2 rank them exactly as the errors: Spearman 1."""
+    import pyarrow as pa
+
+    from focus_core.artifacts import ArtifactStore
+    from focus_core.config import load_config
+    from focus_core.schemas import schema_for
+    from tasks.fit_critic import acquisition_check
+    from tasks.stage import RunContext
+
+    store, run = ArtifactStore(tmp_path / "store"), "r"
+    base = {"run_id": run, "iteration": 0, "policy_version": 0}
+    plan = [{**base, "episode_id": "e", "segment_idx": 1, "state_id": s, "round": 1, "critic_mean": m,
+             "critic_std": 0.1, "cost_estimate": 10.0, "score": score, "continuations": 2, "reason": "x"}
+            for s, m, score in (("a", 0.5, 3.0), ("b", 0.5, 1.0), ("c", 0.9, 2.0), ("d", 0.2, 9.0))]
+    store.commit(run, 0, "acquire_r1", version="v",
+                 tables={"acquisition": pa.Table.from_pylist(plan, schema=schema_for("acquisition"))})
+    returns = [("a", 0.0, False), ("a", 0.0, False), ("b", 1.0, False), ("b", 0.0, False), ("b", 1.0, True),
+               ("c", 1.0, False), ("c", 0.0, False)]
+    branches = [{**base, "episode_id": f"x{i}", "segment_idx": 1, "state_id": s, "branch_id": f"x{i}", "round": 1,
+                 "return": g, "generated_tokens": 5, "truncated": False} for i, (s, g, _) in enumerate(returns)]
+    episodes = [{**base, "episode_id": f"x{i}", "branch_id": f"x{i}", "task_id": "t", "split": "train",
+                 "group_id": "g", "reward": g, "n_turns": 2, "n_segments": 1, "generated_tokens": 5, "is_branch": True,
+                 "parent_state_id": s, "truncated": False, "budget_cut": cut} for i, (s, g, cut) in enumerate(returns)]
+    grown = store.commit(run, 0, "branch_r1", version="v", tables={
+        "branches": pa.Table.from_pylist(branches, schema=schema_for("branches")),
+        "episodes": pa.Table.from_pylist(episodes, schema=schema_for("episodes"))})
+    ctx = RunContext(store, run, load_config(None, []), budget_tokens=1000)
+    figures = acquisition_check(ctx, 0, 1, [grown])
+    assert figures["critic_error_before"] == pytest.approx(0.3)
+    assert figures["critic_error_before_states"] == 3
+    assert figures["score_error_spearman"] == pytest.approx(1.0)
+    assert acquisition_check(ctx, 0, 1, []) == {}  # nothing branched: no figures
+
+    # MLflow logs every numeric stage figure as {stage}.{figure}.
+    from dataclasses import replace
+
+    from flows.tracking import _stage_metrics
+
+    fit = replace(grown, stage="fit_critic_r1", figures=figures)
+    metrics = _stage_metrics("fit_critic_r1", fit)
+    assert metrics["fit_critic_r1.critic_error_before"] == pytest.approx(0.3)
+    assert metrics["fit_critic_r1.score_error_spearman"] == pytest.approx(1.0)
+
+
+def test_out_of_bag_mean_uses_the_members_that_never_saw_a_states_returns():
+    from focus_core.config import CriticConfig
+    from focus_core.critic import EnsembleCritic, out_of_bag_mean
+
+    members = np.array([[0.2, 0.4], [0.6, 0.8], [0.1, 0.3]])
+    weight = np.array([[0.0, 1.0], [1.0, 1.0], [0.0, 2.0]])
+    # State 0: members 0 and 2 gave its returns weight 0 -> (0.2 + 0.1)/2; state 1: all saw it -> the mean.
+    np.testing.assert_allclose(out_of_bag_mean(members, weight), [0.15, 0.5])
+    critic = EnsembleCritic(CriticConfig(members=4, hidden=4, steps=2), n_features=3)
+    critic.fit(np.random.default_rng(0).random((5, 3)), np.array([1.0, 0, 2, 0, 0]), np.array([1.0, 1, 3, 0, 2]))
+    assert critic.bootstrap_weight.shape == (4, 5) and (critic.bootstrap_weight[:, 3] == 0).all()

@@ -2,11 +2,16 @@
 
 import json
 
+import numpy as np
+import pytest
+
 from bench import critic_budget
 from flows.cli import main as focus_main
+from focus_core.config import AcquisitionConfig
 
 REQUIRED_KEYS = {"env", "strategy", "budget_ratio", "seed_count", "critic_mse_mean", "critic_mse_se",
-                 "adv_mse_mean", "sign_acc_mean"}
+                 "adv_mse_mean", "sign_acc_mean", "critic_mse_ratio", "oracle_gap_captured",
+                 "oracle_gap_captured_se", "spearman", "spearman_se"}
 
 
 def test_critic_budget_tiny_grid_writes_json_and_plot(tmp_path):
@@ -28,7 +33,38 @@ def test_critic_budget_tiny_grid_writes_json_and_plot(tmp_path):
         assert row["spent_tokens"] <= row["budget_ratio"] * row["main_tokens"] + 1e-9
         if row["budget_ratio"] > 0:
             assert row["spent_tokens"] > 0
+        if row["strategy"] in ("ivr_greedy", "oracle"):
+            assert -1.0 <= row["spearman"] <= 1.0  # their scores rank the critic's actual error
+        else:
+            assert row["spearman"] is None  # uniform_random wants every state alike; no branches at budget 0
+    assert report["default_strategy"] == AcquisitionConfig().strategy
+    cells = {(r["env"], r["strategy"]): r for r in results}
+    assert cells[("lookup_chain", "uniform_random")]["critic_mse_ratio"] == pytest.approx(1.0)
+    assert cells[("lookup_chain", "uniform_random")]["oracle_gap_captured"] == pytest.approx(0.0)
+    assert cells[("lookup_chain", "oracle")]["oracle_gap_captured"] == pytest.approx(1.0)
     assert png.stat().st_size > 10_000
+
+
+def test_oracle_gap_captured_worked_example():
+    """Seeds' MSE: uniform U, oracle O, strategy S. D = U − S = (6, 1, 5)e-3, G = U − O = (10, 4, 10)e-3, so
+    R = mean D / mean G = 4 / 8 = 0.5; D − R·G = (1, −1, 0)e-3 has sd 1e-3, so se = 1e-3 / √3 / 8e-3 = 0.0722."""
+    uniform, oracle, strategy = [0.030, 0.020, 0.025], [0.020, 0.016, 0.015], [0.024, 0.019, 0.020]
+    gap, se = critic_budget.gap_captured(np.array(uniform), np.array(strategy), np.array(oracle))
+    assert gap == pytest.approx(0.5) and se == pytest.approx(1e-3 / np.sqrt(3) / 8e-3)
+    rows = [{"env": "e", "strategy": name, "budget_ratio": 1.0, "seed": seed, "critic_mse": mse, "adv_mse": 0.0,
+             "sign_acc": 1.0, "spearman": rho}
+            for name, values, rho in (("uniform_random", uniform, None), ("oracle", oracle, 0.5), ("x", strategy, 0.2))
+            for seed, mse in enumerate(values)]
+    cell = {r["strategy"]: r for r in critic_budget.summarise(rows)}["x"]
+    assert cell["oracle_gap_captured"] == pytest.approx(0.5) and cell["oracle_gap_captured_se"] == pytest.approx(se)
+    assert cell["critic_mse_ratio"] == pytest.approx(0.021 / 0.025)
+    assert cell["spearman"] == pytest.approx(0.2) and cell["spearman_se"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_quick_grid_covers_the_operating_point_and_the_default():
+    assert {1.0, 2.0} <= set(critic_budget.QUICK_GRID["budget_ratios"])
+    assert {0.25, 0.5, 1.0, 2.0, 4.0} <= set(critic_budget.FULL_GRID["budget_ratios"])
+    assert {"uniform_random", "oracle", AcquisitionConfig().strategy} <= set(critic_budget.QUICK_GRID["strategies"])
 
 
 def test_same_seed_same_rows():

@@ -170,7 +170,7 @@ def test_literal_errors_list_the_allowed_values():
         load_config(None, ["acquisition.strategy=ivr", "advantage.trace_mode=tokens"])
     message = str(error.value)
     assert "acquisition.strategy: got 'ivr' (allowed: 'uniform_all', 'uniform_random'" in message
-    assert "'neyman', 'entropy' or 'oracle')" in message
+    assert "'neyman', 'entropy', 'oracle', 'residual_knn', 'beta_posterior' or 'novelty')" in message
     assert "advantage.trace_mode: got 'tokens' (allowed: 'segment' or 'token_length')" in message
 
 
@@ -228,6 +228,11 @@ def test_config_error_is_a_value_error():
             r"advantage.estimator: method focus uses estimator segment_td_lambda, got gae.*method=ppo_gae",
         ),
         (["acquisition=null"], r"acquisition: focus branches"),
+        (
+            ["method=grpo", "ppo.train_on_continuations=true"],
+            r"^invalid config:\n  ppo.train_on_continuations: grpo does not branch, so there are no continuations "
+            r"to train on \(fix: remove it or set ppo.train_on_continuations=false\)$",
+        ),
         (
             ["method=ppo_gae", "acquisition={}", "critic={}"],
             r"critic: ppo_gae takes its values from value_head.*\n.*acquisition: ppo_gae does not branch",
@@ -320,6 +325,17 @@ def test_dr_grpo_preset_uses_the_constant_normaliser():
 
 def test_vineppo_preset_spreads_its_budget_in_one_round():
     assert load_config(None, ["method=vineppo"]).acquisition.rounds == 1
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_continuations_train_by_default_for_focus_only(method):
+    """FOCUS trains on every token it generates; VinePPO uses its continuations for values only, as in its paper;
+    a method that does not branch has nothing to train on, and refuses the setting (the fail-fast list above)."""
+    cfg = validate_config({"method": method})
+    assert cfg.ppo.train_on_continuations is (method == "focus")
+    if cfg.uses_branches:  # a knob for the branching methods, either way
+        flipped = load_config(None, [f"method={method}", f"ppo.train_on_continuations={method != 'focus'}"])
+        assert flipped.ppo.train_on_continuations is (method != "focus")
 
 
 def test_explicit_fields_win_over_the_preset():
