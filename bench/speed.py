@@ -22,7 +22,7 @@ import torch
 from bench import emit_json
 from focus_core.acquisition import Candidates, Request, allocate
 from focus_core.advantages import segment_td_lambda_batch
-from focus_core.config import CriticConfig
+from focus_core.config import AcquisitionConfig, CriticConfig
 from focus_core.critic import EnsembleCritic
 
 
@@ -68,6 +68,18 @@ def main(argv: list[str] | None = None) -> int:
         "states_branched": int((allocation.counts > 0).sum()), "target_s": 5.0,
         "seconds": best_of(lambda: allocate(candidates, request), args.repeats),
     }
+
+    # The error-predicting rules on the same candidates, with what the acquire stage gives them: features,
+    # the returns each state has, and the out-of-fold critic values.
+    observed = rng.integers(0, 3, size=states).astype(float)
+    inputs = {"features": rng.normal(size=(states, 64)).astype(np.float32), "return_count": observed,
+              "return_sum": rng.binomial(observed.astype(int), 0.5).astype(float),
+              "oof_mean": rng.beta(2, 2, size=states), "already": observed.astype(np.int64)}
+    for strategy in ("residual_knn", "beta_posterior", "novelty"):
+        rule = Candidates(candidates.member_predictions, cost=cost, weight=candidates.weight, **inputs)
+        rule_request = Request(request.budget_tokens, AcquisitionConfig(strategy=strategy))
+        results[strategy] = {"candidates": states, "budget_tokens": request.budget_tokens, "target_s": 5.0,
+                             "seconds": best_of(lambda r=rule, q=rule_request: allocate(r, q), args.repeats)}
 
     x = rng.normal(size=(10_000, 64)).astype(np.float32)
     trials = rng.integers(1, 5, size=10_000)
