@@ -117,6 +117,24 @@ def summarise(rows: list[dict], methods: Sequence[str]) -> list[dict]:
     return out
 
 
+def markdown(summary: list[dict]) -> str:
+    """The summary as the README's table: final exact success per method, and FOCUS minus each baseline."""
+    def pm(mean: float | None, se: float | None, signed: bool = False) -> str:
+        if mean is None:
+            return "–"
+        text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+        return text + (f" ± {se:.3f}" if se is not None else "")
+
+    lines = ["| env | method | seeds | final exact success ± se | mean over iterations "
+             "| FOCUS − method (paired) ± se |", "|---|---|---|---|---|---|"]
+    for row in summary:
+        lines.append(f"| {row['env']} | {row['method']} | {row['seeds']} "
+                     f"| {pm(row['final_exact'], row['final_exact_se'])} "
+                     f"| {pm(row['mean_exact_over_iterations'], None)} "
+                     f"| {pm(row.get('focus_minus_this'), row.get('focus_minus_this_se'), signed=True)} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], methods: Sequence[str], path: Path) -> None:
     import matplotlib
 
@@ -158,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", dest="sets", action="append", default=[], help="override for every run")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--markdown", type=Path, help="write the summary table here")
     args = parser.parse_args(argv)
     if "focus" not in args.methods:
         parser.error("--methods must include focus: its run trains the bootstrap the others start from")
@@ -181,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "summary": summarise(rows, args.methods), "runs": rows}
     if args.plot:
         plot(rows, args.methods, args.plot)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(result["summary"]))
     emit_json(result, args.json)
     return 0
 

@@ -92,3 +92,23 @@ def test_sft_warmstart_bench_writes_its_figures(tmp_path):
     [row] = json.loads(out.read_text())["results"]
     assert row["env"] == "legal" and row["sft_steps"] >= 1
     assert 0.0 <= row["heldout_success"] <= 1.0 and 0.0 <= row["train_success"] <= 1.0
+
+
+def test_trap_methods_summary_pairs_seeds_and_renders_a_table():
+    from bench.trap_methods import markdown, summarise
+
+    def run(method, seed, finals):
+        return {"env": "combination_lock", "method": method, "seed": seed,
+                "curve": [{"iteration": i, "exact": v} for i, v in enumerate(finals)]}
+
+    rows = [run("focus", 1, [0.2, 0.6]), run("focus", 2, [0.5, 0.9]),
+            run("grpo", 1, [0.2, 0.5]), run("grpo", 2, [0.5, 0.6])]
+    summary = {r["method"]: r for r in summarise(rows, ["focus", "grpo"])}
+    assert summary["focus"]["final_exact"] == pytest.approx(0.75)
+    assert summary["focus"]["final_exact_se"] == pytest.approx(np.std([0.6, 0.9], ddof=1) / np.sqrt(2))
+    assert summary["focus"]["mean_exact_over_iterations"] == pytest.approx(np.mean([0.4, 0.7]))
+    # Paired by seed: differences 0.1 and 0.3.
+    assert summary["grpo"]["focus_minus_this"] == pytest.approx(0.2)
+    assert summary["grpo"]["focus_minus_this_se"] == pytest.approx(np.std([0.1, 0.3], ddof=1) / np.sqrt(2))
+    table = markdown(list(summary.values()))
+    assert "| combination_lock | grpo | 2 | 0.550 ± 0.050 | 0.450 | +0.200 ± 0.100 |" in table
