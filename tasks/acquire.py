@@ -78,12 +78,17 @@ def continuation_cost(all_states: pa.Table, row_state: np.ndarray, occurrences: 
     segment_idx = all_states.column("segment_idx").to_numpy()
     by_index = {k: remaining[segment_idx == k].mean() for k in np.unique(segment_idx)}
     total = np.bincount(row_state, weights=remaining, minlength=states.num_rows)
-    count = occurrences.astype(np.float64)
     for i, state in enumerate(states.column("state_id").to_pylist()):
         total[i] += sum(earlier.get(state, ()))
-        count[i] += len(earlier.get(state, ()))
+    count = observed_costs(occurrences, states, earlier).astype(np.float64)
     prior = np.array([by_index[k] for k in states.column("segment_idx").to_numpy()])
     return (total + prior) / (count + 1)
+
+
+def observed_costs(occurrences: np.ndarray, states: pa.Table, earlier: dict[str, list[int]]) -> np.ndarray:
+    """How many costs each distinct state's price rests on: its main visits and its earlier continuations."""
+    return occurrences + np.array([len(earlier.get(s, ())) for s in states.column("state_id").to_pylist()],
+                                  dtype=np.int64)
 
 
 def cost_spread(all_states: pa.Table) -> float:
@@ -191,10 +196,9 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         # A price rests on few observed costs (its main visits, earlier continuations), and the error of a price
         # is shared by all of its state's continuations: the margin counts it (measured: without it, 2 sd
         # still let one of eight last rounds overspend by 15% and cut 12% of its continuations).
-        observations = occurrences + np.array([len(earlier_tokens.get(s, ())) for s in
-                                               states.column("state_id").to_pylist()])
         margin = spend_margin(allocation.counts, candidates.cost, cost_spread(all_states),
-                              acquisition.last_round_margin_sd, price_observations=observations)
+                              acquisition.last_round_margin_sd,
+                              price_observations=observed_costs(occurrences, states, earlier_tokens))
         allocation = allocate(candidates, Request(max(0.0, budget - margin), acquisition, seed=seed))
     reasons = [r or "not chosen" for r in allocation.reason]
     if members is None and acquisition is not cfg.acquisition:
