@@ -56,9 +56,7 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
         log.warning("[it %d] evaluate: no exact held-out success on %s without the Markov context (fix: "
                     "agent.compression=observation)", iteration, cfg.env.name)
     elif isinstance(env, TrapToolEnv):
-        exact = exact_evaluation(policy, env, chosen, agent)
-        log.info("[it %d] evaluate: exact V(s_0) of %d tasks from %d scored contexts in %.1f s (scoring %.1f s)",
-                 iteration, len(chosen), exact.contexts, exact.seconds, exact.score_seconds)
+        exact = exact_evaluation(policy, env, chosen, agent)  # its figures join the stage's one log line
     table = pa.table({
         "run_id": [ctx.run_id] * n, "iteration": pa.array([iteration] * n, pa.int32()),
         "episode_id": [episode_id(ctx.run_id, iteration, t.task_id, "eval") for t in chosen],
