@@ -220,6 +220,9 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
     # Continuation cost estimate: mean remaining tokens of main trajectories at that segment index.
     mean_remaining = {k: batch.remaining_tokens[batch.segment_idx == k].mean() for k in np.unique(batch.segment_idx)}
     cost = np.array([max(mean_remaining[seg_of_state[s]], 1.0) for s in candidates])
+    # The policy's exact next-action entropy at each candidate, for the entropy rule (ARPO/AEPO branch there).
+    entropy = np.array([-np.sum(p * np.log(np.where(p > 0, p, 1.0)))
+                        for p in (policy.probabilities(table.states[c]) for c in candidates)])
 
     spent = 0.0
     spearmans: list[float] = []
@@ -238,7 +241,7 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
                           config=settings.acquisition.model_copy(update={"strategy": strategy}),
                           seed=seed * 1000 + round_idx)
         view = candidate_view(table, critic, members, critic_data, candidates)
-        alloc = allocate(Candidates(members[:, candidates], cost, weight, already=already,
+        alloc = allocate(Candidates(members[:, candidates], cost, weight, already=already, entropy=entropy,
                                     true_value=truth[candidates], **view), request)
         # How well the strategy's wish list ranks the critic's actual error before this round's continuations.
         spearmans.append(spearman(alloc.score, np.abs(members[:, candidates].mean(0) - truth[candidates])))
@@ -411,6 +414,40 @@ def print_table(summary: list[dict]) -> None:
               f"{r['adv_mse_mean']:.5f} ± {r['adv_mse_se']:.5f} {r['sign_acc_mean']:8.3f}")
 
 
+def markdown_tables(summary: list[dict], default: str | None = None) -> str:
+    """Per env, a strategy × budget table: critic MSE ± se (÷ uniform_random); oracle gap captured ± se; Spearman
+    of the strategy's scores with the actual error. The default strategy is in bold."""
+    default = default or AcquisitionConfig().strategy
+    lines = []
+    for env in sorted({r["env"] for r in summary}):
+        rows = [r for r in summary if r["env"] == env]
+        ratios = sorted({r["budget_ratio"] for r in rows if r["strategy"] != "none"})
+        seeds = max(r["seed_count"] for r in rows)
+        lines += [f"**{env}** ({seeds} seeds) — critic MSE ± se (÷ uniform_random); oracle gap captured ± se; "
+                  "Spearman(score, |error|)", "",
+                  "| strategy | " + " | ".join(f"×{x:g}" for x in ratios) + " |", "|---" * (len(ratios) + 1) + "|"]
+        cell = {(r["strategy"], r["budget_ratio"]): r for r in rows}
+        for strategy in sorted({r["strategy"] for r in rows} - {"none"}):
+            parts = []
+            for x in ratios:
+                r = cell.get((strategy, x))
+                if r is None:
+                    parts.append("")
+                    continue
+                ratio = f" ({r['critic_mse_ratio']:.2f})" if r["critic_mse_ratio"] is not None else ""
+                gap = (f"{r['oracle_gap_captured']:+.2f} ± {r['oracle_gap_captured_se']:.2f}"
+                       if r["oracle_gap_captured"] is not None else "–")
+                rho = f"{r['spearman']:.2f}" if r["spearman"] is not None else "–"
+                parts.append(f"{r['critic_mse_mean']:.4f} ± {r['critic_mse_se']:.4f}{ratio}; {gap}; {rho}")
+            name = f"**{strategy}**" if strategy == default else strategy
+            lines.append(f"| {name} | " + " | ".join(parts) + " |")
+        none = [r for r in rows if r["strategy"] == "none"]
+        if none:
+            lines += ["", f"no branches: critic MSE {none[0]['critic_mse_mean']:.4f} ± {none[0]['critic_mse_se']:.4f}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="reduced grid (3 seeds, 4 budgets, 5 strategies)")
@@ -421,18 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--main-trajectories", type=int, default=Settings.main_trajectories)
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--json", type=Path, help="write the summary (and per-seed rows) as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    add_output_options(parser)
     args = parser.parse_args(argv)
-
-    grid = dict(QUICK_GRID if args.quick else FULL_GRID)
-    for key, value in (("seeds", args.seeds), ("envs", args.envs), ("strategies", args.strategies),
-                       ("budget_ratios", args.budget_ratios)):
-        if value is not None:
-            grid[key] = value
-    unknown = set(grid["strategies"]) - set(STRATEGIES)
-    if unknown:
-        parser.error(f"unknown strategies {sorted(unknown)}; known: {sorted(STRATEGIES)}")
+    if args.from_json:
+        return render(args.from_json, args.markdown, args.plot)
+    grid = chosen_grid(parser, args, QUICK_GRID if args.quick else FULL_GRID)
     settings = Settings(main_trajectories=args.main_trajectories, rounds=args.rounds)
 
     started = time.perf_counter()
@@ -445,15 +475,54 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.extend(future.result())
             print(f"[{done}/{len(jobs)}] {jobs[done - 1][0]} seed {jobs[done - 1][1]} "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
+    write_outputs(args, rows, {"grid": grid, "seconds": time.perf_counter() - started})
+    return 0
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--json, --plot, --markdown and --from-json, shared with bench/critic_agent.py."""
+    parser.add_argument("--json", type=Path, help="write the summary (and per-seed rows) as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.add_argument("--markdown", type=Path, help="write the per-env strategy × budget tables here")
+    parser.add_argument("--from-json", type=Path, help="do not run: render --markdown/--plot from this JSON")
+
+
+def chosen_grid(parser: argparse.ArgumentParser, args: argparse.Namespace, base: dict) -> dict:
+    """The grid of --quick or the full one, with the --seeds/--envs/--strategies/--budget-ratios given."""
+    grid = dict(base)
+    for key, value in (("seeds", args.seeds), ("envs", args.envs), ("strategies", args.strategies),
+                       ("budget_ratios", args.budget_ratios)):
+        if value is not None:
+            grid[key] = value
+    unknown = set(grid["strategies"]) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"unknown strategies {sorted(unknown)}; known: {sorted(STRATEGIES)}")
+    return grid
+
+
+def write_outputs(args: argparse.Namespace, rows: list[dict], extra: dict) -> list[dict]:
+    """Summarise per-seed rows, print the table, and write the JSON, plot and markdown asked for."""
     summary = summarise(rows)
     print_table(summary)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"default_strategy": AcquisitionConfig().strategy, "results": summary,
-                                         "rows": rows, "grid": grid, "seconds": time.perf_counter() - started},
-                                        indent=1))
+                                         "rows": rows, **extra}, indent=1))
     if args.plot:
         plot(summary, args.plot)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_tables(summary))
+    return summary
+
+
+def render(source: Path, markdown: Path | None, png: Path | None) -> int:
+    """The tables and plot of an earlier run's JSON (either benchmark's), without running anything."""
+    written = json.loads(source.read_text())
+    if markdown:
+        markdown.write_text(markdown_tables(written["results"], written.get("default_strategy")))
+    if png:
+        plot(written["results"], png)
     return 0
 
 

@@ -30,11 +30,15 @@ from focus_core.artifacts import ArtifactStore
 
 ENVS = ("combination_lock", "lookup_chain")
 METHODS = ("focus", "grpo", "vineppo")
-# What a method needs on top of the environment's config (the config is written for focus).
+# What a method needs on top of the environment's config (the config is written for focus). The focus_* rows are
+# ablations: FOCUS with one component swapped, from the same bootstrap (--methods focus focus_uniform_random ...).
 METHOD_OVERRIDES = {
     "focus": (),
     "grpo": ("method=grpo", "acquisition=null", "critic=null"),
     "vineppo": ("method=vineppo",),
+    "focus_uniform_random": ("acquisition.strategy=uniform_random",),  # no selective branching
+    "focus_residual_knn": ("acquisition.strategy=residual_knn",),
+    "focus_no_continuations": ("ppo.train_on_continuations=false",),  # continuations for values only
 }
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.trap_methods", description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", type=Path, required=True, help="artifact store root for the runs")
     parser.add_argument("--envs", nargs="+", default=list(ENVS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=sorted(METHOD_OVERRIDES))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--workers", type=int, default=2, help="runs at once (one core each)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="override for every run")

@@ -8,6 +8,7 @@
     focus serve [--store ROOT]                                           deployments for the Prefect UI
     focus eval RUN_ID [--iteration N] [--tasks N] [--store ROOT]         held-out success of a checkpoint
     focus bench critic-budget [--quick] [--json PATH] [--plot PATH]   critic error vs branch budget
+    focus bench critic-agent [--quick] [--json PATH] [--plot PATH]    the same on real agent states
     focus bench speed [--json PATH]                                  speed of the algorithm library
     focus bench branching [--json PATH]                              prefix reuse when branching (hf)
     focus bench envs [--json PATH]                                   the embedded agent environments
@@ -23,7 +24,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 # Quiet, offline defaults for every command (reference/tooling.md): no telemetry, no hub access.
 QUIET_ENV = {
@@ -42,42 +43,14 @@ QUIET_ENV = {
 }
 
 
-def _bench_critic_budget(argv: Sequence[str]) -> int:
-    from bench.critic_budget import main
-
-    return main(argv)
-
-
-def _bench_speed(argv: Sequence[str]) -> int:
-    from bench.speed import main
-
-    return main(argv)
-
-
-def _bench_envs(argv: Sequence[str]) -> int:
-    from bench.envs import main
-
-    return main(argv)
-
-
-def _bench_sft(argv: Sequence[str]) -> int:
-    from bench.sft_warmstart import main
-
-    return main(argv)
-
-
-def _bench_branching(argv: Sequence[str]) -> int:
-    from bench.branching import main
-
-    return main(argv)
-
-
-BENCHMARKS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
-    "critic-budget": (_bench_critic_budget, "critic and advantage error vs continuation budget, per strategy"),
-    "speed": (_bench_speed, "speed of TD(λ), IVR acquisition and critic fitting"),
-    "envs": (_bench_envs, "expert and random success, turns and tokens of the embedded environments"),
-    "branching": (_bench_branching, "continuations from a long vs a short state with the hf backend"),
-    "sft": (_bench_sft, "the tiny model's SFT warm start per environment: steps, loss, held-out success"),
+# Each benchmark is a module under bench/ with a main(argv) -> int, imported only when it runs (torch is slow to load).
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "critic-budget": ("bench.critic_budget", "critic and advantage error vs continuation budget, per strategy"),
+    "critic-agent": ("bench.critic_agent", "the same on real agent states with dense Monte-Carlo values"),
+    "speed": ("bench.speed", "speed of TD(λ), IVR acquisition and critic fitting"),
+    "envs": ("bench.envs", "expert and random success, turns and tokens of the embedded environments"),
+    "branching": ("bench.branching", "continuations from a long vs a short state with the hf backend"),
+    "sft": ("bench.sft_warmstart", "the tiny model's SFT warm start per environment: steps, loss, held-out success"),
 }
 
 
@@ -244,8 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb == "bench":
-        run, _ = BENCHMARKS[args.name]
-        return run(args.options)
+        import importlib
+
+        module, _ = BENCHMARKS[args.name]
+        return importlib.import_module(module).main(args.options)
     from focus_core.artifacts import ArtifactError
     from focus_core.config import ConfigError
 

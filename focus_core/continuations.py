@@ -14,8 +14,9 @@ Its segments get TD(λ) advantages from the same kind of values as the main epis
   episodes' own returns and its continuations', ``observed_returns``) less this one — the leave-one-out rule
   ``fit_critic`` applies to the main episodes, so no baseline has seen the return it is the baseline of.
   Without a critic (VinePPO) it is that leave-one-out mean.
-* V̂(s'_j) for its own later states, which no main episode visited: the critic's prediction there
-  (the caller's ``later``); without a critic, VinePPO's rule r_j + V̂(s'_{j+1}) (δ = 0 there).
+* V̂(s'_j) for its own later states, which no main episode visited: the prediction there of the fold critic
+  that was fitted without the continuation's task (the caller's ``later``; the full ensemble had seen the
+  continuation's own return at its parent); without a critic, VinePPO's rule r_j + V̂(s'_{j+1}) (δ = 0 there).
 
 ``update_sequences`` is the update's side: the training sequences of the main rollouts and the
 continuations, budget-cut episodes left out, with the part each sequence came from.

@@ -31,11 +31,11 @@ from prefect.cache_policies import NO_CACHE
 from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
 from focus_core.continuations import continuation_values, observed_returns
-from focus_core.critic import EnsembleCritic
 from focus_core.features import policy_context_features, with_scalar_features
 from focus_core.rollouts import states_table, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
+from tasks.fit_critic import out_of_fold_values
 from tasks.inputs import CRITIC_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage
 
@@ -150,8 +150,9 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
         contexts = states.column("context_token_ids").take(pa.array(rest)).to_pylist()
         features = with_scalar_features(policy_context_features(policy_at(ctx, policy).model, contexts),
                                         segment_idx[rest].astype(np.float32))
-        critic = EnsembleCritic.load(ctx.store.fetch_folder(ctx.run_id, values.iteration, values.stage, CRITIC_FOLDER))
-        later[rest] = critic.predict(features)[0]
+        # From the fold critic that saw neither this continuation's return nor any other of its task's.
+        task = np.array(episodes.column("task_id").to_pylist(), dtype=object)[[row[e] for e in episode[rest]]]
+        later[rest] = out_of_fold_values(ctx, values, list(task), features)
     value = continuation_values(
         states.column("segment_reward").to_numpy(), lengths,
         prior_mean=np.array([prior[s][0] for s in parent], dtype=np.float64),

@@ -9,7 +9,9 @@ joins the fit (their features come from older policies, hence a setting).
 The value used for advantages must not have seen the return it is the baseline of. So it is
 *cross-fitted*: tasks are split into ``critic.folds`` folds, and the states of a fold's tasks get their
 critic prior from an ensemble fitted on the other folds only (all states of a task share s_0, so the fold
-is the task, not the episode). That out-of-fold prior is combined by precision (method.md §9.5, T8) with
+is the task, not the episode); those fold critics are checkpointed too (``critic_fold{k}``), so a continuation's
+later states, which no fit saw, get their value from the critic that did not see their task either
+(``out_of_fold_values``). That out-of-fold prior is combined by precision (method.md §9.5, T8) with
 the state's Monte-Carlo returns that are independent of the row's episode: its continuations plus the own
 returns of the *other* main episodes that visited it (s_0 pools its group, leave-one-out). A full ensemble
 on all data is also fitted and checkpointed: it is what the next acquisition round reads.
@@ -39,7 +41,7 @@ from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import FLOATS, schema_for
-from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read
 from tasks.stage import RunContext, StageResult, run_stage
 
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
@@ -172,6 +174,8 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
             critic = fit(~held_out)
             if critic is not None:
                 prior_mean[held_out], prior_var[held_out] = critic.predict(data["features"][held_out])
+                critic.save(scratch / fold_critic_folder(int(k)))
+                folders[fold_critic_folder(int(k))] = scratch / fold_critic_folder(int(k))
         prior_var = np.maximum(prior_var, floor)
         critic_mean, critic_var = prior_mean[inverse], prior_var[inverse]
         value, value_var = combine_estimates(critic_mean, critic_var, mc_mean, n)
@@ -205,6 +209,26 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     }, schema=schema_for("values"))
     figures["mean_value"] = float(np.mean(value))
     return StageResult(tables=tables, folders=folders, figures=figures, policy_version=segment.policy_version)
+
+
+def out_of_fold_values(ctx: RunContext, values: Manifest, task_ids: Sequence[str], features: np.ndarray) -> np.ndarray:
+    """V̂ at new states (e.g. a continuation's later segment starts) of the given tasks, each from the fold critic
+    fitted without its task's returns — so no value has seen the return of the episode it is the baseline of. A
+    task whose fold had no critic (no returns outside it) gets the flat prior, as its prior did in the fit."""
+    fold_of = dict(zip(*(read(ctx, values, "critic_data").column(c).to_pylist() for c in ("task_id", "fold")),
+                       strict=True))
+    missing = sorted(set(task_ids) - set(fold_of))
+    if missing:
+        raise ValueError(f"{values.stage}: task {missing[0]} has no fold in its critic_data; the states are not of "
+                         f"this iteration's tasks")
+    fold = np.array([fold_of[t] for t in task_ids])
+    out = np.full(len(fold), FLAT_PRIOR[0])
+    for k in np.unique(fold):
+        if fold_critic_folder(int(k)) in values.files:
+            critic = EnsembleCritic.load(ctx.store.fetch_folder(ctx.run_id, values.iteration, values.stage,
+                                                                fold_critic_folder(int(k))))
+            out[fold == k] = critic.predict(np.asarray(features)[fold == k])[0]
+    return out
 
 
 def _fill_from_next(states: pa.Table, mc_mean: np.ndarray, n: np.ndarray) -> np.ndarray:

@@ -18,6 +18,11 @@ POLICY_FOLDER = "policy"  # the checkpoint folder name in the bootstrap and upda
 CRITIC_FOLDER = "critic"  # the checkpoint folder name in fit_critic stages
 
 
+def fold_critic_folder(fold: int) -> str:
+    """The checkpoint folder of the critic fit_critic fitted without the tasks of ``fold``."""
+    return f"{CRITIC_FOLDER}_fold{fold}"
+
+
 def env_factory(ctx: RunContext) -> Callable[[], ToolEnv]:
     env = ctx.config.env
     return functools.partial(make_env, env.name, tier=env.tier, **env.options)

@@ -112,3 +112,22 @@ def test_trap_methods_summary_pairs_seeds_and_renders_a_table():
     assert summary["grpo"]["focus_minus_this_se"] == pytest.approx(np.std([0.1, 0.3], ddof=1) / np.sqrt(2))
     table = markdown(list(summary.values()))
     assert "| combination_lock | grpo | 2 | 0.550 ± 0.050 | 0.450 | +0.200 ± 0.100 |" in table
+
+
+def test_every_registered_strategy_runs_in_the_critic_budget_bench():
+    """Regression: the full grid (all strategies) failed at `entropy`, which the benchmark gave no entropies."""
+    from focus_core.acquisition import STRATEGIES
+
+    rows = critic_budget.run_seed("combination_lock", 0, [0.5], sorted(STRATEGIES),
+                                  critic_budget.Settings(main_trajectories=8, rounds=1))
+    assert {r["strategy"] for r in rows} == set(STRATEGIES) | {"none"}
+
+
+def test_markdown_tables_render_every_cell_with_the_default_in_bold():
+    rows = [{"env": "e", "strategy": s, "budget_ratio": x, "seed": seed, "critic_mse": mse + 0.01 * seed,
+             "adv_mse": 0.0, "sign_acc": 1.0, "spearman": 0.3 if s == "ivr_greedy" else None}
+            for seed in range(3) for x in (0.5, 1.0)
+            for s, mse in (("uniform_random", 0.2), ("ivr_greedy", 0.15), ("oracle", 0.1))]
+    text = critic_budget.markdown_tables(critic_budget.summarise(rows), default="ivr_greedy")
+    assert "| **ivr_greedy** | 0.1600 ± 0.0058 (0.76); +0.50 ± 0.00; 0.30 |" in text
+    assert text.count("| uniform_random |") == 1 and "×0.5 | ×1 |" in text

@@ -85,3 +85,31 @@ def test_cross_fitting_folds_are_tasks(tmp_path):
     folds = fit_critic.task_folds([f"task-{t % 5}" for t in range(20)], 3, seed=4)
     assert set(folds) == {f"task-{t}" for t in range(5)} and set(folds.values()) == {0, 1, 2}
     assert fit_critic.task_folds(["a", "b"], 4, seed=0).keys() == {"a", "b"}  # never more folds than tasks
+
+
+def test_fold_critics_value_a_tasks_new_states_without_its_returns(tmp_path):
+    """A continuation's later states are valued by the fold critic of its task, which never saw that task's
+    returns (its own included); the full ensemble, which acquisition reads, did see them. Regression: later
+    states used the full ensemble, so a continuation's baseline had been fitted on its own return."""
+    rewards = np.random.default_rng(1).integers(0, 2, size=TASKS * GROUP).astype(float)
+    flipped = rewards.copy()
+    flipped[:GROUP] = 1.0 - flipped[:GROUP]  # task 0's outcomes change, nothing else
+    new_states = np.random.default_rng(7).normal(size=(3, FEATURES)).astype(np.float32)
+    seen = {}
+    for name, r in (("a", rewards), ("b", flipped)):
+        store = ArtifactStore(tmp_path / name)
+        rollout, segment = _commit_iteration(store, name, r)
+        ctx = RunContext(store, name, load_config(None, ["critic.steps=50", "critic.hidden=8", "critic.folds=3"]),
+                         budget_tokens=1000)
+        result = fit_critic.compute(ctx, 0, 0, segment, rollout, [], [], tmp_path / f"scratch-{name}")
+        values = store.commit(name, 0, "fit_critic_r0", version="v", tables=result.tables, folders=result.folders,
+                              policy_version=0)
+        fold = dict(zip(*(result.tables["critic_data"].column(c).to_pylist() for c in ("task_id", "fold")),
+                        strict=True))
+        other = next(t for t in sorted(fold) if fold[t] != fold["task-0"])
+        seen[name] = (fit_critic.out_of_fold_values(ctx, values, ["task-0"] * 3, new_states),
+                      fit_critic.out_of_fold_values(ctx, values, [other] * 3, new_states))
+    assert seen["a"][0] == pytest.approx(seen["b"][0], abs=1e-12)  # task 0's fold critic never saw task 0
+    # ... and a task in another fold is valued by a critic that did see task 0, so flipping it shows (the test
+    # would pass trivially if the fold critics ignored returns).
+    assert seen["a"][1] != pytest.approx(seen["b"][1], abs=1e-6)
