@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     states = 5000
     cost = rng.integers(50, 2000, size=states).astype(float)
     candidates = Candidates(rng.beta(2, 2, size=(5, states)), cost=cost, weight=rng.uniform(1, 2, states))
-    request = Request(budget_tokens=0.5 * cost.sum() / 2.5)  # ≈ 0.5 × main tokens at 2.5 states/trajectory
-    allocation = allocate(candidates, request)  # the default strategy: ivr_greedy
+    # ≈ 0.5 × main tokens at 2.5 states/trajectory
+    request = Request(0.5 * cost.sum() / 2.5, AcquisitionConfig(strategy="ivr_greedy"))
+    allocation = allocate(candidates, request)
     results["ivr_greedy"] = {
         "candidates": states, "budget_tokens": request.budget_tokens, "chunks_picked": len(allocation.picks),
         "states_branched": int((allocation.counts > 0).sum()), "target_s": 5.0,

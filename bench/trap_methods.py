@@ -37,6 +37,7 @@ METHOD_OVERRIDES = {
     "grpo": ("method=grpo", "acquisition=null", "critic=null"),
     "vineppo": ("method=vineppo",),
     "focus_uniform_random": ("acquisition.strategy=uniform_random",),  # no selective branching
+    "focus_ivr_greedy": ("acquisition.strategy=ivr_greedy",),  # the default before novelty
     "focus_residual_knn": ("acquisition.strategy=residual_knn",),
     "focus_no_continuations": ("ppo.train_on_continuations=false",),  # continuations for values only
 }

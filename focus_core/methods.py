@@ -62,9 +62,9 @@ def register_method(method: Method) -> Method:
 
 
 register_method(Method(
-    "focus", "segment_td_lambda", "critic", "ivr_greedy",
+    "focus", "segment_td_lambda", "critic", "novelty",
     "TD(λ) over compression segments; V̂ = cross-fitted critic ensemble ⊕ continuation returns; "
-    "continuations where the critic is least sure",
+    "continuations where observed returns are scarcest (novelty)",
     presets={"ppo": {"train_on_continuations": True}},  # every generated token trains, as in Tree-GRPO/TreeRL
 ))
 # VinePPO spreads its budget once: with no critic to refit, more rounds would change nothing. Its paper

@@ -37,7 +37,7 @@ def test_defaults_load_as_focus_with_method_md_values():
     assert cfg.method == "focus"
     assert cfg.advantage.estimator == "segment_td_lambda"
     assert (cfg.advantage.gamma, cfg.advantage.lam) == (1.0, 0.9)
-    assert cfg.acquisition.strategy == "ivr_greedy"
+    assert cfg.acquisition.strategy == "novelty"
     acquisition = cfg.acquisition
     assert (acquisition.eps_uniform, acquisition.chunk_size, acquisition.max_per_state) == (0.2, 2, 8)
     assert (acquisition.vine_k, acquisition.rounds) == (9, 2)
@@ -117,7 +117,7 @@ def test_override_can_set_a_section_to_null_and_switch_method(tmp_path):
 def test_override_creates_a_section_missing_from_the_file(tmp_path):
     path = write_yaml(tmp_path, {"method": "grpo"})
     cfg = load_config(path, ["method=focus", "acquisition.rounds=4"])
-    assert cfg.acquisition.rounds == 4 and cfg.acquisition.strategy == "ivr_greedy"
+    assert cfg.acquisition.rounds == 4 and cfg.acquisition.strategy == "novelty"
 
 
 def test_override_without_equals_is_a_clear_error():
@@ -300,7 +300,7 @@ def test_readme_method_table_is_the_registrys():
 @pytest.mark.parametrize(
     ("method", "extra", "estimator", "strategy", "has_critic", "whiten", "group"),
     [
-        ("focus", [], "segment_td_lambda", "ivr_greedy", True, True, 4),
+        ("focus", [], "segment_td_lambda", "novelty", True, True, 4),
         ("vineppo", [], "vineppo", "uniform_all", False, True, 4),
         ("grpo", [], "grpo", None, False, False, 8),
         ("dr_grpo", ["ppo.constant_normaliser=4096"], "dr_grpo", None, False, False, 8),
