@@ -131,3 +131,16 @@ def test_markdown_tables_render_every_cell_with_the_default_in_bold():
     text = critic_budget.markdown_tables(critic_budget.summarise(rows), default="ivr_greedy")
     assert "| **ivr_greedy** | 0.1600 ± 0.0058 (0.76); +0.50 ± 0.00; 0.30 |" in text
     assert text.count("| uniform_random |") == 1 and "×0.5 | ×1 |" in text
+
+
+def test_ablation_pairs_by_seed_and_averages_over_envs():
+    from bench import ablation
+
+    rows = [{"env": env, "strategy": s, "budget_ratio": 1.0, "seed": seed, "critic_mse": mse * (1 + seed)}
+            for env in ("a", "b") for seed in range(3)
+            for s, mse in (("uniform_random", 0.2), ("ivr_greedy", 0.16), ("novelty", 0.14))]
+    mean, se, n = ablation.paired_difference(rows, "novelty", "ivr_greedy", [1.0])
+    assert (mean, n) == (pytest.approx(-0.1), 6) and se == pytest.approx(0.0, abs=1e-12)
+    summary = critic_budget.summarise([{**r, "adv_mse": 0.0, "sign_acc": 1.0, "spearman": None} for r in rows])
+    cell = ablation.cells(summary, [1.0])[("novelty", 1.0)]
+    assert cell["ratio"] == pytest.approx(0.7) and cell["worst"] == pytest.approx(0.7)
