@@ -5,6 +5,9 @@
     focus resume RUN_ID [--store ROOT]                                   continue a run from its last commit
     focus runs [--store ROOT]                                            runs with status, progress, overhead
     focus sql RUN_ID [NAME | --query SQL] [--store ROOT]                 DuckDB over a run's tables
+    focus compare SPEC.yaml [--workers N] [--dask ADDRESS] [--store ROOT]  a grid of runs from shared starts
+    focus report NAME [--out DIR] [--from-json PATH] [--store ROOT]      curves and paired differences of a grid
+    focus sql --compare NAME [NAME | --query SQL]                        DuckDB over every run of a grid
     focus serve [--store ROOT]                                           deployments for the Prefect UI
     focus eval RUN_ID [--iteration N] [--tasks N] [--store ROOT]         held-out success of a checkpoint
     focus bench critic-budget [--quick] [--json PATH] [--plot PATH]   critic error vs branch budget
@@ -118,16 +121,27 @@ def _sql(args: argparse.Namespace) -> int:
 
     from flows.sql import connect, describe_queries, format_table, run_query
 
-    if args.query is None and args.name is None:
+    if args.query is None and args.name is None and not (args.compare and args.run_id):
         print(describe_queries())
         print("tables: " + ", ".join(_tables()) + " (focus sql RUN_ID --query 'SELECT ...')")
         return 0
     store = _store(args.store)
-    if store.run_info(args.run_id) is None and not store.committed(args.run_id):
+    if args.compare:
+        from flows.sql import connect_compare
+
+        if args.run_id is not None:  # `focus sql --compare NAME QUERY`: the positional is the query's name
+            args.name, args.run_id = args.run_id, None
+        con = connect_compare(store, args.compare)
+    elif args.run_id is None:
+        print("focus sql: name a run (focus sql RUN_ID ...) or a comparison (--compare NAME)", file=sys.stderr)
+        return 2
+    elif store.run_info(args.run_id) is None and not store.committed(args.run_id):
         print(f"focus sql: no run {args.run_id!r} under {store.root} (see `focus runs`)", file=sys.stderr)
         return 2
+    else:
+        con = connect(store, args.run_id)
     try:
-        columns, rows = run_query(connect(store, args.run_id), args.query or args.name)
+        columns, rows = run_query(con, args.query or args.name)
     except duckdb.Error as error:
         print(f"focus sql: {error}", file=sys.stderr)
         return 2
@@ -139,6 +153,35 @@ def _tables() -> list[str]:
     from focus_core.schemas import TABLES
 
     return list(TABLES)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from flows.compare import run_compare
+
+    name = run_compare(args.spec, store=_store(args.store).root, workers=args.workers, dask_address=args.dask)
+    print(f"comparison {name} finished. Report it: focus report {name}; query it: focus sql --compare {name} "
+          "--query 'SELECT ...'")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json as json_module
+    from pathlib import Path
+
+    from flows.report import collect, write_report
+
+    if args.from_json:
+        data = json_module.loads(Path(args.from_json).read_text())
+        data.pop("summary", None)
+    else:
+        data = collect(_store(args.store), args.name)
+    out = Path(args.out or f"docs/results/{data['name']}")
+    summary = write_report(data, out)
+    for row in summary["focus_vs_best"]:
+        print(f"{row['env']}: FOCUS − {row['best_baseline']} = {row['focus_minus_best']:+.3f} "
+              f"({row['low']:+.3f} to {row['high']:+.3f})")
+    print(f"report: {out / (data['name'] + '.md')}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -180,12 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
     runs.set_defaults(run=_runs)
 
     sql = verbs.add_parser("sql", help="query a run's tables with DuckDB (named queries or --query)")
-    sql.add_argument("run_id")
+    sql.add_argument("run_id", nargs="?", help="the run (omit with --compare)")
     sql.add_argument("name", nargs="?", help="a named query; omit to list them")
+    sql.add_argument("--compare", metavar="NAME", help="every run of a comparison, plus a run_meta view (env, "
+                     "method, seed, overrides, status)")
     sql.add_argument("--query", help="SQL over the views rollouts, episodes, states, ... of every iteration")
     sql.add_argument("--all", action="store_true", help="print every row (default: the first 50)")
     _store_option(sql)
     sql.set_defaults(run=_sql)
+
+    compare = verbs.add_parser("compare", help="run a grid of (env, method, seed) training runs from one shared "
+                               "start per env and seed (a Prefect flow on a Dask cluster)")
+    compare.add_argument("spec", help="compare spec YAML (see configs/compare/)")
+    compare.add_argument("--workers", type=int, default=2, help="local Dask worker processes (one run each)")
+    compare.add_argument("--dask", metavar="ADDRESS", help="an existing Dask scheduler, e.g. tcp://host:8786")
+    _store_option(compare)
+    compare.set_defaults(run=_compare)
+
+    report = verbs.add_parser("report", help="learning curves, final success and paired differences of a comparison")
+    report.add_argument("name", nargs="?", help="the comparison's name (its spec's `name`)")
+    report.add_argument("--out", help="folder for the markdown, JSON and PNGs (default docs/results/NAME)")
+    report.add_argument("--from-json", help="render from a report's JSON instead of the runs' artifacts")
+    _store_option(report)
+    report.set_defaults(run=_report)
 
     serve = verbs.add_parser("serve", help="serve the train/eval deployments to a Prefect server for the UI")
     _store_option(serve)

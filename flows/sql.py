@@ -153,25 +153,44 @@ NAMED_QUERIES["join_example"] = ("the same as turns_with_advantages", NAMED_QUER
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
-def connect(store: ArtifactStore, run_id: str) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with one view per table of the run, plus ``manifests``."""
+def connect(store: ArtifactStore, run_id: str | Sequence[str]) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with one view per table over the run (or every run given), plus
+    ``manifests``. Every table has a ``run_id`` column, so several runs share one view."""
     con = duckdb.connect()
     if store.root.startswith("s3://"):
         con.register_filesystem(store.filesystem)
-    committed = store.committed(run_id)  # one listing serves every view
+    run_ids = [run_id] if isinstance(run_id, str) else list(run_id)
+    committed = [(rid, *entry) for rid in run_ids for entry in store.committed(rid)]  # one listing per run
     for table in TABLES:
         # (url, stage) of each committed part, built as ArtifactStore.parquet_files builds it
         parts = [
-            (f"{store.stage_url(run_id, iteration, stage)}/{part.path}", stage)
-            for iteration, stage, manifest in committed
+            (f"{store.stage_url(rid, iteration, stage)}/{part.path}", stage)
+            for rid, iteration, stage, manifest in committed
             for part in manifest.tables.get(table, ())
         ]
         _create_table_view(con, table, parts)
-    con.register("_manifests", _manifest_rows(committed))
+    con.register("_manifests", _manifest_rows([entry[1:] for entry in committed]))
     con.execute(
         "CREATE VIEW manifests AS SELECT * EXCLUDE (tables, figures, timings), tables::JSON AS tables, "
         "figures::JSON AS figures, timings::JSON AS timings FROM _manifests"
     )
+    return con
+
+
+def connect_compare(store: ArtifactStore, name: str) -> duckdb.DuckDBPyConnection:
+    """``connect`` over every run of comparison ``name``, plus ``run_meta`` (run_id, env, method, seed,
+    overrides, status): join it on run_id to group any table by method."""
+    from flows.compare import compare_rows
+
+    rows = compare_rows(store, name)
+    present = [r for r in rows if store.run_info(r["run_id"]) is not None or store.committed(r["run_id"])]
+    con = connect(store, [r["run_id"] for r in present])
+    meta = pa.table({"run_id": [r["run_id"] for r in rows], "env": [r["env"] for r in rows],
+                     "method": [r["method"] for r in rows], "seed": pa.array([r["seed"] for r in rows], pa.int32()),
+                     "overrides": [" ".join(r["overrides"]) for r in rows],
+                     "status": [(store.run_info(r["run_id"]) or {}).get("status", "not started") for r in rows]})
+    con.register("_run_meta", meta)
+    con.execute("CREATE VIEW run_meta AS SELECT * FROM _run_meta")
     return con
 
 

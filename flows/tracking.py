@@ -58,6 +58,8 @@ log = logging.getLogger("focus")
 
 RUN_TAG = "focus.run_id"
 DONE_MARKER = "focus.iteration"  # logged last for each iteration: "this step is complete"
+PARENT_RUN_ENV = "FOCUS_MLFLOW_PARENT_RUN_ID"  # set by `focus compare`: the MLflow run its training runs nest under
+COMPARE_TAG = "focus.compare"
 POLICY_FOLDER, CRITIC_FOLDER = "policy", "critic"  # as in tasks/inputs.py
 MAX_PARAM_VALUE = 6000  # MLflow's limits
 MAX_KEY = 250
@@ -117,6 +119,9 @@ class Tracker:
         cfg = self.ctx.config
         tags = {RUN_TAG: run_id, "focus.method": cfg.method, "focus.env": cfg.env.name,
                 "focus.store": self.ctx.store.root}
+        parent = os.environ.get(PARENT_RUN_ENV)
+        if parent:  # a run of `focus compare`: MLflow nests it under the comparison's run
+            tags["mlflow.parentRunId"] = parent
         return self.client.create_run(experiment_id, run_name=run_id, tags=tags).info.run_id
 
     def _log_params(self) -> None:
@@ -356,6 +361,33 @@ class Tracker:
         except Exception as error:
             log.warning("MLflow tracking: %s failed (%s: %s); training continues", what, type(error).__name__,
                         error)
+
+
+def compare_parent_run(name: str, spec: Mapping[str, Any]) -> str | None:
+    """The MLflow run of comparison ``name`` (created once, re-attached on a rerun), with the spec as parameters;
+    None when MLflow cannot be reached (a comparison never fails for its tracking)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlruns.db'}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            client = mlflow.MlflowClient(uri)
+            name_of_experiment = os.environ.get("FOCUS_MLFLOW_EXPERIMENT", "focus")
+            experiment = client.get_experiment_by_name(name_of_experiment)
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment(name_of_experiment)
+            found = client.search_runs([experiment_id], filter_string=f"tags.`{COMPARE_TAG}` = '{name}'",
+                                       max_results=1)
+            if found:
+                return found[0].info.run_id
+            run = client.create_run(experiment_id, run_name=f"compare-{name}", tags={COMPARE_TAG: name})
+            for key, value in _flatten(dict(spec)).items():
+                client.log_param(run.info.run_id, key[:MAX_KEY], value[:MAX_PARAM_VALUE])
+            return run.info.run_id
+    except Exception as error:  # noqa: BLE001 - tracking is a convenience here
+        log.warning("compare %s: no MLflow parent run (%s); the runs are tracked on their own", name, error)
+        return None
 
 
 def _stage_metrics(stage: str, manifest: Manifest) -> dict[str, float]:

@@ -110,7 +110,8 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, ru
     log.info("run %s: method %s, %d iterations, env %s, store %s", run_id, cfg.method, cfg.iterations,
              cfg.env.name, artifacts.root)
     try:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
+        cpu_before = float(info.get("cpu_s", 0.0)) if info else 0.0
         reference = policy = bootstrap(ctx)
         ctx = ctx.with_budget(budget_tokens(cfg, policy))
         tracker.ctx = ctx
@@ -126,13 +127,15 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, ru
             stages, critic = run_iteration(ctx, i, policy, reference, critic, history)
             policy = stages["update"]
             walls[str(i)] = walls.get(str(i), 0.0) + time.perf_counter() - iteration_started
-            artifacts.write_run_info(run_id, {"iteration_wall_s": walls})
+            artifacts.write_run_info(run_id, {"iteration_wall_s": walls,  # CPU: this process, all its threads
+                                              "cpu_s": cpu_before + time.process_time() - cpu_started})
             tracker.log_iteration(i, stages)
             _publish(ctx, i, stages)
         final = evaluate(ctx, cfg.iterations, policy)
         tracker.log_iteration(cfg.iterations, {"evaluate": final})
         tracker.finish(policy, "FINISHED")
-        artifacts.write_run_info(run_id, {"status": "finished", "wall_s": time.perf_counter() - started})
+        artifacts.write_run_info(run_id, {"status": "finished", "wall_s": time.perf_counter() - started,
+                                          "cpu_s": cpu_before + time.process_time() - cpu_started})
     except BaseException:
         artifacts.write_run_info(run_id, {"status": "failed"})
         tracker.finish(None, "FAILED")

@@ -65,6 +65,8 @@ def test_served_deployment_runs_from_the_ui_api(tmp_path):
                                start_new_session=True)
     try:
         deployment = wait_for(lambda: api(base, "/deployments/name/focus-train/default"), 180, "the deployment")
+        grid = wait_for(lambda: api(base, "/deployments/name/focus-compare/default"), 60, "the compare deployment")
+        assert grid["parameters"]["store"] == str(tmp_path / "runs")
         config = write_config(tmp_path, method="grpo", iterations=1)
         flow_run = api(base, f"/deployments/{deployment['id']}/create_flow_run",
                        {"parameters": {"config_path": str(config), "run_id": "from-ui"}})

@@ -1,0 +1,259 @@
+"""`focus compare SPEC.yaml`: every (environment, method, seed) of a spec as a `train` run, from one shared start.
+
+A spec (``configs/compare/*.yaml``) names environments (each with its config file), methods (each a list of
+overrides, so an ablation such as ``focus + acquisition.strategy=uniform_random`` is a row), seeds, and settings
+for every run (``iterations``, ``set``). Per (environment, seed) the *first* method's run trains the bootstrap
+(the SFT warm start and the measured budget B_tok); every other method's run starts from it (``bootstrap.init_from``,
+as ``focus train --init``): the same weights, the same B_tok, the same held-out tasks and sampling seeds.
+
+The ``focus-compare`` Prefect flow runs the grid on a Dask cluster through prefect-dask: by default a local
+cluster of ``workers`` processes (one thread each), or an existing cluster by ``dask_address``. Each run is a
+``focus-train`` flow run nested in the compare run's task. First the bootstraps (one task per environment and
+seed), then every run as soon as its bootstrap is committed. A rerun of the same spec skips finished runs and
+resumes partial ones (``train`` with the run id: committed stages are not recomputed). Progress: one line per
+finished run and a progress bar over the grid.
+
+The compare record ``{store}/_compare/{name}.json`` lists the runs with their env, method, seed and overrides;
+``focus report NAME`` and ``focus sql --compare NAME`` read it. With MLflow, the compare is a parent run and every
+training run its child (tag ``mlflow.parentRunId``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect_dask import DaskTaskRunner
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tqdm.auto import tqdm
+
+from focus_core.artifacts import ArtifactStore
+from focus_core.config import ConfigError, config_to_dict, load_config, validate_config
+
+log = logging.getLogger("focus")
+RECORD_FOLDER = "_compare"  # under the store root; not a run id, so `focus runs` passes it by
+
+
+class CompareSpec(BaseModel):
+    """A comparison grid. Every run's config is loaded (and so checked) before anything runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="the compare id")
+    envs: dict[str, str | None] = Field(min_length=1, description="env name -> config file (null: defaults)")
+    methods: dict[str, list[str]] = Field(
+        min_length=1, description="row name -> overrides; the first row trains each (env, seed)'s bootstrap")
+    seeds: list[int] = Field(min_length=1)
+    iterations: int | None = Field(None, ge=1, description="every run's iterations (null: each config's own)")
+    set: list[str] = Field(default_factory=list, description="overrides for every run")
+    run_prefix: str | None = Field(
+        None, description="run ids are {run_prefix}{env}-{method}-s{seed}; default '{name}-'. '' adopts the runs "
+                          "of bench/trap_methods.py, which uses the same scheme")
+
+    @field_validator("methods")
+    @classmethod
+    def _names(cls, methods: dict[str, list[str]]) -> dict[str, list[str]]:
+        bad = [m for m in methods if not m.replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"method row names must be letters, digits and '_': {bad}")
+        return methods
+
+    @property
+    def bootstrap_method(self) -> str:
+        return next(iter(self.methods))
+
+    def run_id(self, env: str, method: str, seed: int) -> str:
+        prefix = f"{self.name}-" if self.run_prefix is None else self.run_prefix
+        return f"{prefix}{env}-{method}-s{seed}"
+
+    def runs(self) -> list[dict[str, Any]]:
+        """One row per run: ids, where its config comes from, its overrides and the run it starts from."""
+        rows = []
+        for env, config in self.envs.items():
+            for seed in self.seeds:
+                for method, overrides in self.methods.items():
+                    sets = [f"seed={seed}", *([] if config else [f"env.name={env}"]),
+                            *([f"iterations={self.iterations}"] if self.iterations else []), *self.set, *overrides]
+                    first = method == self.bootstrap_method
+                    rows.append({"run_id": self.run_id(env, method, seed), "env": env, "method": method, "seed": seed,
+                                 "config": config, "overrides": sets,
+                                 "init_from": None if first else self.run_id(env, self.bootstrap_method, seed)})
+        return rows
+
+
+def load_spec(path: str | os.PathLike[str]) -> CompareSpec:
+    """The spec at ``path``, every run's config validated; one line naming the problem otherwise."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"compare spec {path}: no such file (fix: a path to a spec like "
+                          f"configs/compare/traps.yaml)") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"compare spec {path}: not valid YAML ({error})") from error
+    try:
+        spec = CompareSpec.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise ConfigError(f"compare spec {path}: {'.'.join(map(str, first['loc']))}: {first['msg']}") from error
+    # A config path is relative to where focus runs, else to the spec's folder.
+    beside = Path(path).resolve().parent
+    spec.envs = {env: c if c is None or Path(c).exists() else str(beside / c) for env, c in spec.envs.items()}
+    for row in spec.runs():
+        try:
+            cfg = load_config(row["config"], row["overrides"])
+        except ConfigError as error:
+            raise ConfigError(f"compare spec {path}: run {row['run_id']}: {error}") from error
+        if cfg.env.name != row["env"]:
+            raise ConfigError(f"compare spec {path}: env {row['env']!r} has config {row['config']} for env "
+                              f"{cfg.env.name!r} (fix: the env key must name the config's env.name)")
+    return spec
+
+
+def write_record(store: ArtifactStore, spec: CompareSpec, **extra: Any) -> dict[str, Any]:
+    path = f"{store.root.rstrip('/')}/{RECORD_FOLDER}/{spec.name}.json"
+    old = read_record(store, spec.name) or {}
+    record = {**old, "name": spec.name, "spec": spec.model_dump(), "runs": spec.runs(), **extra}
+    store.filesystem.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with store.filesystem.open(tmp, "w") as out:
+        out.write(json.dumps(record, indent=1))
+    store.filesystem.mv(tmp, path)  # one rename: a reader sees the old record or the new one
+    return record
+
+
+def read_record(store: ArtifactStore, name: str) -> dict[str, Any] | None:
+    path = f"{store.root.rstrip('/')}/{RECORD_FOLDER}/{name}.json"
+    try:
+        with store.filesystem.open(path) as handle:
+            return json.loads(handle.read())
+    except FileNotFoundError:
+        return None
+
+
+def check_existing(store: ArtifactStore, rows: list[dict[str, Any]]) -> None:
+    """A run of the grid that already exists must have been started with the spec's settings: it is adopted
+    (skipped when finished, resumed otherwise), never silently taken for something else."""
+    for row in rows:
+        info = store.run_info(row["run_id"])
+        if not info or "config" not in info:
+            continue
+        init = [f"bootstrap.init_from={row['init_from']}"] if row["init_from"] else []
+        wanted = config_to_dict(load_config(row["config"], [*row["overrides"], *init]))
+        if wanted != info["config"]:
+            differ = sorted(k for k in set(wanted) | set(info["config"]) if wanted.get(k) != info["config"].get(k))
+            raise ConfigError(f"run {row['run_id']} exists in {store.root} with other settings ({', '.join(differ)}); "
+                              f"fix: another spec name or run_prefix, or delete that run")
+
+
+def _one_thread() -> None:
+    """Each Dask worker is one process with one core; the tiny model runs fastest single-threaded."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@task(name="bootstrap-run", cache_policy=NO_CACHE)
+def bootstrap_run(row: dict[str, Any], store_root: str) -> str:
+    """Create the (env, seed)'s first run and commit its bootstrap, unless it has one: the start every method
+    of that environment and seed shares."""
+    from tasks.bootstrap import STAGE, bootstrap
+    from tasks.stage import RunContext
+
+    _one_thread()
+    store = ArtifactStore(store_root)
+    if store.manifest(row["run_id"], 0, STAGE) is not None:
+        return row["run_id"]
+    info = store.run_info(row["run_id"])
+    cfg = load_config(row["config"], row["overrides"]) if info is None else validate_config(info["config"])
+    store.write_run_info(row["run_id"], {"status": "running", "config": config_to_dict(cfg), "store": store.root})
+    bootstrap.fn(RunContext(store, row["run_id"], cfg))
+    return row["run_id"]
+
+
+@task(name="train-run", cache_policy=NO_CACHE)
+def train_run(row: dict[str, Any], store_root: str) -> dict[str, Any]:
+    """Train one run of the grid (or resume it, or skip it when finished); returns its id, status and seconds."""
+    from flows.train import train
+
+    _one_thread()
+    store = ArtifactStore(store_root)
+    started = time.perf_counter()
+    info = store.run_info(row["run_id"])
+    if info and info.get("status") == "finished":
+        return {"run_id": row["run_id"], "status": "finished", "seconds": 0.0, "skipped": True}
+    if info:  # partial (or only bootstrapped): continue from its last committed stage
+        train(run_id=row["run_id"], store=store_root)
+    else:
+        init = [f"bootstrap.init_from={row['init_from']}"] if row["init_from"] else []
+        train(config_path=row["config"], overrides=[*row["overrides"], *init], run_id=row["run_id"], store=store_root)
+    return {"run_id": row["run_id"], "status": "finished", "seconds": time.perf_counter() - started, "skipped": False}
+
+
+def local_cluster(workers: int) -> DaskTaskRunner:
+    """A local Dask cluster of ``workers`` processes, one thread each: one training run per core."""
+    return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                                          "dashboard_address": None})
+
+
+# From the Prefect UI (focus serve) the flow runs on a local cluster of $FOCUS_COMPARE_WORKERS (2) processes.
+@flow(name="focus-compare", log_prints=False,
+      task_runner=local_cluster(int(os.environ.get("FOCUS_COMPARE_WORKERS", "2"))))
+def compare(spec_path: str, store: str | None = None) -> str:
+    """Run (or resume) every run of the spec; returns the compare id. ``run_compare`` (``focus compare``) picks the
+    task runner: a local Dask cluster of ``--workers`` processes or an existing cluster."""
+    from flows.train import default_store
+
+    spec = load_spec(spec_path)
+    artifacts = ArtifactStore(store or default_store())
+    rows = spec.runs()
+    check_existing(artifacts, rows)
+    write_record(artifacts, spec, status="running", spec_path=str(spec_path))
+    firsts = [r for r in rows if r["init_from"] is None]
+    boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
+    futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]
+    results = []
+    with tqdm(total=len(futures), desc=f"compare {spec.name}", unit="run") as bar:
+        pending = dict(enumerate(futures))
+        while pending:
+            for k, future in list(pending.items()):
+                if future.state.is_final():
+                    result = future.result()
+                    results.append(result)
+                    bar.update(1)
+                    what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
+                    tqdm.write(f"compare {spec.name}: {result['run_id']} {what} ({bar.n}/{len(futures)})")
+                    del pending[k]
+            time.sleep(0.5)
+    write_record(artifacts, spec, status="finished", results=results)
+    return spec.name
+
+
+def run_compare(spec_path: str, store: str | None = None, workers: int = 2, dask_address: str | None = None) -> str:
+    """``focus compare``: the flow on a local Dask cluster of ``workers`` processes, or on ``dask_address``."""
+    from flows.tracking import PARENT_RUN_ENV, compare_parent_run
+
+    spec = load_spec(spec_path)  # fail fast, before a cluster starts
+    runner = DaskTaskRunner(address=dask_address) if dask_address else local_cluster(workers)
+    parent = compare_parent_run(spec.name, spec.model_dump())
+    if parent:  # workers inherit the environment: each training run becomes the parent's child
+        os.environ[PARENT_RUN_ENV] = parent
+    try:
+        return compare.with_options(task_runner=runner)(spec_path=str(spec_path), store=store)
+    finally:
+        os.environ.pop(PARENT_RUN_ENV, None)
+
+
+def compare_rows(store: ArtifactStore, name: str) -> list[dict[str, Any]]:
+    record = read_record(store, name)
+    if record is None:
+        raise ValueError(f"no comparison {name!r} under {store.root} (fix: run `focus compare SPEC.yaml --store "
+                         f"{store.root}` first, or pass the store it ran in)")
+    return record["runs"]

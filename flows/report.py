@@ -1,0 +1,244 @@
+"""`focus report COMPARE_ID`: a comparison's figures, from the committed artifacts alone.
+
+``collect`` reads, for every run of the compare record: per evaluated iteration the held-out success (and the
+exact value where the environment has one), the generated tokens by kind (``budget_ledger``), the critic's
+diagnostics (``fit_critic_r*``: error on branched states before it saw them, Spearman of the acquisition score
+with it), and per held-out task the final iteration's value; per run its wall time and CPU seconds. That JSON is
+everything the report shows: ``--from-json`` renders the same report without the store.
+
+The report (markdown + PNGs): learning curves per environment (mean and 95% t-interval over seeds), success
+against cumulative generated tokens, a table of final success and area under the curve (the mean over evaluated
+iterations) per method, and FOCUS against the best baseline per environment: the paired difference of final
+success with a bootstrap interval that resamples seeds and then held-out tasks, the same resample for both
+methods (every method of a seed shares its bootstrap, held-out tasks and sampling seeds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from focus_core.artifacts import COMPUTE_TIMING, ArtifactStore
+
+FOCUS = "focus"  # the method row the report compares with the baselines
+BOOTSTRAP_RESAMPLES = 4000
+TOKEN_KINDS = ("main", "branch", "summary")
+
+
+def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
+    """The report's data: one row per run, per (run, evaluated iteration) and per (run, final held-out task)."""
+    from flows.compare import compare_rows
+
+    runs, iterations, task_values = [], [], []
+    for row in compare_rows(store, name):
+        rid = row["run_id"]
+        info = store.run_info(rid) or {}
+        committed = store.committed(rid)
+        key = {"env": row["env"], "method": row["method"], "seed": row["seed"]}
+        runs.append({**key, "run_id": rid, "status": info.get("status", "missing"),
+                     "base_method": (info.get("config") or {}).get("method"), "overrides": row["overrides"],
+                     "wall_s": info.get("wall_s"), "cpu_s": info.get("cpu_s"),
+                     "compute_s": sum(m.timings.get(COMPUTE_TIMING, 0.0) for _, _, m in committed)})
+        tokens: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(TOKEN_KINDS, 0))
+        critic: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        evaluated = {}
+        for iteration, stage, manifest in committed:
+            if "budget_ledger" in manifest.tables:
+                ledger = store.read_table(rid, iteration, stage, "budget_ledger")
+                for kind, spent in zip(ledger.column("kind").to_pylist(), ledger.column("tokens").to_pylist(),
+                                       strict=True):
+                    tokens[iteration][kind] = tokens[iteration].get(kind, 0) + int(spent)
+            if stage.startswith("fit_critic_"):
+                for figure in ("critic_error_before", "score_error_spearman"):
+                    if figure in manifest.figures:
+                        critic[iteration][figure].append(float(manifest.figures[figure]))
+            if stage == "evaluate":
+                evaluated[iteration] = manifest
+        for iteration in sorted(evaluated):
+            spent_so_far = sum(sum(t.values()) for j, t in tokens.items() if j < iteration)
+            figures = evaluated[iteration].figures
+            iterations.append({**key, "iteration": iteration, "heldout_success": figures.get("heldout_success"),
+                               "heldout_success_exact": figures.get("heldout_success_exact"),
+                               "cumulative_tokens": spent_so_far,  # generated before this policy was evaluated
+                               **{f"tokens_{k}": tokens[iteration].get(k, 0) for k in TOKEN_KINDS},
+                               **{f: float(np.mean(v)) for f, v in critic[iteration].items()}})
+        if evaluated:
+            last = max(evaluated)
+            table = store.read_table(rid, last, "evaluate", "evaluation")
+            for task_id, value in per_task(table).items():
+                task_values.append({**key, "iteration": last, "task_id": task_id, "value": value})
+    return {"name": name, "runs": runs, "iterations": iterations, "tasks": task_values}
+
+
+def per_task(evaluation) -> dict[str, float]:
+    """A final evaluation's value per held-out task: the exact V^π(s_0) where known, else the mean success."""
+    values: dict[str, list[float]] = defaultdict(list)
+    for task_id, exact, success in zip(*(evaluation.column(c).to_pylist() for c in
+                                         ("task_id", "exact_value", "success")), strict=True):
+        values[task_id].append(float(exact) if exact is not None else float(success))
+    return {t: float(np.mean(v)) for t, v in values.items()}
+
+
+def _t_interval(values: Sequence[float]) -> tuple[float, float]:
+    from scipy import stats
+
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return float("nan"), float("nan")
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    return float(x.mean() - half), float(x.mean() + half)
+
+
+def paired_bootstrap(a: dict[tuple[int, str], float], b: dict[tuple[int, str], float],
+                     seed: int = 0) -> tuple[float, float, float]:
+    """Mean of a − b over the (seed, task) pairs both have, and a 95% percentile interval from resampling
+    seeds, then tasks within each drawn seed (the same draw for a and b: the pairing is kept)."""
+    pairs = sorted(set(a) & set(b))
+    by_seed: dict[int, np.ndarray] = defaultdict(list)
+    for s, t in pairs:
+        by_seed[s].append(a[(s, t)] - b[(s, t)])
+    seeds = sorted(by_seed)
+    diffs = [np.array(by_seed[s]) for s in seeds]
+    if not diffs:
+        return float("nan"), float("nan"), float("nan")
+    mean = float(np.mean([d.mean() for d in diffs]))
+    rng = np.random.default_rng(seed)
+    draws = np.empty(BOOTSTRAP_RESAMPLES)
+    for k in range(BOOTSTRAP_RESAMPLES):
+        chosen = rng.integers(0, len(diffs), len(diffs))
+        draws[k] = np.mean([diffs[j][rng.integers(0, len(diffs[j]), len(diffs[j]))].mean() for j in chosen])
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return mean, float(low), float(high)
+
+
+def summarise(data: dict[str, Any]) -> dict[str, Any]:
+    """Per (env, method) final success and AUC over seeds; per env FOCUS minus the best baseline, paired."""
+    value_key = "heldout_success_exact" if all(r["heldout_success_exact"] is not None for r in data["iterations"]) \
+        else "heldout_success"
+    base_method = {(r["env"], r["method"]): r["base_method"] for r in data["runs"]}
+    curves: dict[tuple[str, str], dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for r in data["iterations"]:
+        curves[(r["env"], r["method"])][r["seed"]].append(r)
+    table = []
+    for (env, method), by_seed in sorted(curves.items()):
+        final = [max(rows, key=lambda r: r["iteration"])[value_key] for rows in by_seed.values()]
+        area = [float(np.mean([r[value_key] for r in rows])) for rows in by_seed.values()]
+        low, high = _t_interval(final)
+        spent = [sum(r[f"tokens_{k}"] for k in TOKEN_KINDS) for rows in by_seed.values() for r in rows
+                 if sum(r[f"tokens_{k}"] for k in TOKEN_KINDS)]
+        table.append({"env": env, "method": method, "base_method": base_method.get((env, method)),
+                      "seeds": len(final), "final": float(np.mean(final)), "final_low": low, "final_high": high,
+                      "auc": float(np.mean(area)), "tokens_per_iteration": float(np.mean(spent)) if spent else 0.0})
+    tasks: dict[tuple[str, str], dict[tuple[int, str], float]] = defaultdict(dict)
+    for r in data["tasks"]:
+        tasks[(r["env"], r["method"])][(r["seed"], r["task_id"])] = r["value"]
+    versus = []
+    for env in sorted({row["env"] for row in table}):
+        rows = {row["method"]: row for row in table if row["env"] == env}
+        baselines = [m for m, row in rows.items() if row["base_method"] not in (None, FOCUS)]
+        if FOCUS not in rows or not baselines:
+            continue
+        best = max(baselines, key=lambda m: rows[m]["final"])
+        mean, low, high = paired_bootstrap(tasks[(env, FOCUS)], tasks[(env, best)])
+        versus.append({"env": env, "best_baseline": best, "focus_minus_best": mean, "low": low, "high": high,
+                       "significant": bool(low > 0 or high < 0)})
+    return {"value": value_key, "table": table, "focus_vs_best": versus}
+
+
+def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str]) -> str:
+    value = "exact held-out success" if summary["value"] == "heldout_success_exact" else "held-out success"
+    lines = [f"# Comparison `{data['name']}`", "",
+             f"{len(data['runs'])} runs; the figure is the {value} of the policy after the last iteration (final) and "
+             "its mean over the evaluated iterations (AUC). 95% intervals: t over seeds; the FOCUS difference is a "
+             "paired bootstrap over seeds and held-out tasks.", "",
+             "| env | method | seeds | final (95% CI) | AUC | generated tokens / iteration |",
+             "|---|---|---|---|---|---|"]
+    for r in summary["table"]:
+        lines.append(f"| {r['env']} | {r['method']} | {r['seeds']} | {r['final']:.3f} ({r['final_low']:.3f}–"
+                     f"{r['final_high']:.3f}) | {r['auc']:.3f} | {r['tokens_per_iteration']:,.0f} |")
+    lines += ["", "| env | FOCUS − best baseline (paired, 95% CI) | best baseline |", "|---|---|---|"]
+    for v in summary["focus_vs_best"]:
+        star = " *" if v["significant"] else ""
+        lines.append(f"| {v['env']} | {v['focus_minus_best']:+.3f} ({v['low']:+.3f} to {v['high']:+.3f}){star} "
+                     f"| {v['best_baseline']} |")
+    lines += ["", "\\* the interval excludes 0.", "", "| run | status | wall s | CPU s | stage compute s |",
+              "|---|---|---|---|---|"]
+    for r in data["runs"]:
+        lines.append(f"| {r['run_id']} | {r['status']} | {_num(r['wall_s'])} | {_num(r['cpu_s'])} "
+                     f"| {_num(r['compute_s'])} |")
+    diagnostics = [r for r in data["iterations"] if "critic_error_before" in r]
+    if diagnostics:
+        lines += ["", "Critic diagnostics (mean over seeds and iterations): error on branched states before the "
+                  "critic saw them; Spearman of the acquisition score with it.", "",
+                  "| env | method | critic error before | score–error Spearman |", "|---|---|---|---|"]
+        groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for r in diagnostics:
+            groups[(r["env"], r["method"])].append(r)
+        for (env, method), rows in sorted(groups.items()):
+            rho = [r["score_error_spearman"] for r in rows if "score_error_spearman" in r]
+            lines.append(f"| {env} | {method} | {np.mean([r['critic_error_before'] for r in rows]):.3f} "
+                         f"| {np.mean(rho):.3f} |" if rho else f"| {env} | {method} | "
+                         f"{np.mean([r['critic_error_before'] for r in rows]):.3f} | – |")
+    lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in images]
+    return "\n".join(lines) + "\n"
+
+
+def _num(x) -> str:
+    return "–" if x is None else f"{x:,.0f}"
+
+
+def plots(data: dict[str, Any], summary: dict[str, Any], folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = summary["value"]
+    envs = sorted({r["env"] for r in data["iterations"]})
+    methods = sorted({r["method"] for r in data["iterations"]})
+    written = []
+    for name, x_key, xlabel in (("curves", "iteration", "iteration (policy entering it)"),
+                                ("tokens", "cumulative_tokens", "generated tokens before the evaluation")):
+        fig, axes = plt.subplots(1, len(envs), figsize=(5.5 * len(envs), 4), squeeze=False)
+        for ax, env in zip(axes[0], envs, strict=True):
+            for method in methods:
+                rows = [r for r in data["iterations"] if r["env"] == env and r["method"] == method]
+                seeds = sorted({r["seed"] for r in rows})
+                its = sorted({r["iteration"] for r in rows})
+                grid = np.array([[next((r[key] for r in rows if r["seed"] == s and r["iteration"] == i), np.nan)
+                                  for i in its] for s in seeds], dtype=float)
+                xs = np.array([[next((r[x_key] for r in rows if r["seed"] == s and r["iteration"] == i), np.nan)
+                                for i in its] for s in seeds], dtype=float)
+                mean = np.nanmean(grid, 0)
+                ax.plot(np.nanmean(xs, 0), mean, marker="o", label=f"{method} ({len(seeds)})",
+                        linewidth=2.5 if method == FOCUS else 1.2)
+                if len(seeds) > 1:
+                    from scipy import stats
+
+                    half = stats.t.ppf(0.975, len(seeds) - 1) * np.nanstd(grid, 0, ddof=1) / np.sqrt(len(seeds))
+                    ax.fill_between(np.nanmean(xs, 0), mean - half, mean + half, alpha=0.15)
+            ax.set_title(f"{env}: {key.replace('_', ' ')}")
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = folder / f"{data['name']}_{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def write_report(data: dict[str, Any], out: Path) -> dict[str, Any]:
+    """report.json (the data and summary), the PNGs and report.md under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarise(data)
+    images = plots(data, summary, out)
+    (out / f"{data['name']}.json").write_text(json.dumps({**data, "summary": summary}, indent=1))
+    (out / f"{data['name']}.md").write_text(markdown(data, summary, images))
+    return summary

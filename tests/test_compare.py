@@ -1,0 +1,124 @@
+"""`focus compare` and `focus report` on a 2 envs × 2 methods × 1 seed grid of one-iteration trap runs: the runs of
+an (env, seed) share one bootstrap, a comparison killed halfway resumes without recomputing its finished runs, and
+the report's numbers are a recomputation from the runs' evaluation tables."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from focus_core.artifacts import ArtifactStore
+from focus_core.config import ConfigError
+from tests.test_pipeline import focus
+from tests.test_trap_pipeline import TRAP_CONFIG
+
+SPEC = """
+name: tiny
+envs: {{combination_lock: {lock}, lookup_chain: {chain}}}
+methods:
+  focus: []
+  grpo: [method=grpo, acquisition=null, critic=null]
+seeds: [5]
+"""
+
+
+def _spec(tmp_path: Path) -> Path:
+    for env in ("combination_lock", "lookup_chain"):
+        (tmp_path / f"{env}.yaml").write_text(TRAP_CONFIG.format(env=env))
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(SPEC.format(lock=tmp_path / "combination_lock.yaml", chain=tmp_path / "lookup_chain.yaml"))
+    return spec
+
+
+def _environ(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect"), "OMP_NUM_THREADS": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
+
+
+@pytest.mark.slow
+def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tables_say(tmp_path):
+    spec, root = _spec(tmp_path), tmp_path / "runs"
+    store = ArtifactStore(root)
+    runs = [f"tiny-{env}-{method}-s5" for env in ("combination_lock", "lookup_chain") for method in ("focus", "grpo")]
+    # Kill the whole comparison (its Dask workers and their runs too) once its first run has finished.
+    child = subprocess.Popen([sys.executable, "-m", "flows.cli", "compare", str(spec), "--store", str(root),
+                              "--workers", "2"], cwd=tmp_path, env=_environ(tmp_path), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline and child.poll() is None:
+            if any((store.run_info(r) or {}).get("status") == "finished" for r in runs):
+                break
+            time.sleep(1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+    finished = [r for r in runs if (store.run_info(r) or {}).get("status") == "finished"]
+    assert finished, "no run finished before the kill"
+    before = {r: {(i, s): m.created_at for i, s, m in store.committed(r)} for r in runs}
+
+    focus("compare", str(spec), "--store", str(root), "--workers", "2", cwd=tmp_path)
+    assert all(store.run_info(r)["status"] == "finished" for r in runs)
+    for r in finished:  # not recomputed: every manifest is the one committed before the kill
+        assert {(i, s): m.created_at for i, s, m in store.committed(r)} == before[r]
+    for env in ("combination_lock", "lookup_chain"):  # one bootstrap per (env, seed), byte for byte shared
+        first, other = (store.manifest(f"tiny-{env}-{m}-s5", 0, "bootstrap") for m in ("focus", "grpo"))
+        assert other.figures["budget_tokens"] == first.figures["budget_tokens"]
+        assert [f.sha256 for f in other.files["policy"]] == [f.sha256 for f in first.files["policy"]]
+        assert store.run_info(f"tiny-{env}-grpo-s5")["config"]["bootstrap"]["init_from"] == f"tiny-{env}-focus-s5"
+
+    out = tmp_path / "report"
+    focus("report", "tiny", "--store", str(root), "--out", str(out), cwd=tmp_path)
+    report = json.loads((out / "tiny.json").read_text())
+    for row in report["summary"]["table"]:
+        rid = f"tiny-{row['env']}-{row['method']}-s5"
+        evaluation = store.read_table(rid, 1, "evaluate", "evaluation").to_pylist()
+        per_task: dict[str, list[float]] = {}
+        for e in evaluation:
+            per_task.setdefault(e["task_id"], []).append(e["exact_value"])
+        assert row["final"] == pytest.approx(np.mean([np.mean(v) for v in per_task.values()]))
+    versus = {v["env"]: v for v in report["summary"]["focus_vs_best"]}
+    assert set(versus) == {"combination_lock", "lookup_chain"} and all(v["best_baseline"] == "grpo"
+                                                                        for v in versus.values())
+    assert (out / "tiny_curves.png").stat().st_size > 0 and "FOCUS − best baseline" in (out / "tiny.md").read_text()
+    # The JSON alone makes the same report.
+    again = tmp_path / "again"
+    focus("report", "--from-json", str(out / "tiny.json"), "--out", str(again), cwd=tmp_path)
+    assert json.loads((again / "tiny.json").read_text())["summary"] == report["summary"]
+    # DuckDB over every run of the grid, with run_meta to group by method.
+    sql = focus("sql", "--compare", "tiny", "--store", str(root), "--query",
+                "SELECT m.method, count(*) AS n FROM evaluation e JOIN run_meta m USING (run_id) GROUP BY 1 ORDER BY 1",
+                cwd=tmp_path)
+    assert "focus" in sql.stdout and "grpo" in sql.stdout
+
+
+def test_a_spec_with_a_bad_run_config_fails_before_anything_runs(tmp_path):
+    from flows.compare import load_spec
+
+    spec = _spec(tmp_path)
+    spec.write_text(spec.read_text().replace("grpo: [method=grpo, acquisition=null, critic=null]",
+                                             "grpo: [method=grpo]"))
+    with pytest.raises(ConfigError, match="(?s)run tiny-combination_lock-grpo-s5: .*acquisition"):
+        load_spec(spec)
+    spec.write_text("name: x\nenvs: {}\n")
+    with pytest.raises(ConfigError, match="compare spec .*envs"):
+        load_spec(spec)
+
+
+def test_an_existing_run_with_other_settings_is_refused(tmp_path):
+    from flows.compare import check_existing, load_spec
+
+    spec = load_spec(_spec(tmp_path))
+    store = ArtifactStore(tmp_path / "runs")
+    store.write_run_info("tiny-combination_lock-focus-s5", {"status": "finished", "config": {"method": "grpo"}})
+    with pytest.raises(ConfigError, match="tiny-combination_lock-focus-s5 exists .* other settings"):
+        check_existing(store, spec.runs())
