@@ -94,6 +94,15 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     again = tmp_path / "again"
     focus("report", "--from-json", str(out / "tiny.json"), "--out", str(again), cwd=tmp_path)
     assert json.loads((again / "tiny.json").read_text())["summary"] == report["summary"]
+    # MLflow: the comparison is a parent run, every training run its child.
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    experiment = client.get_experiment_by_name("focus").experiment_id
+    parent = client.search_runs([experiment], filter_string="tags.`focus.compare` = 'tiny'")
+    children = client.search_runs([experiment], filter_string="tags.`focus.run_id` LIKE 'tiny-%'")
+    assert len(parent) == 1 and len(children) == 4
+    assert {c.data.tags.get("mlflow.parentRunId") for c in children} == {parent[0].info.run_id}
     # DuckDB over every run of the grid, with run_meta to group by method.
     sql = focus("sql", "--compare", "tiny", "--store", str(root), "--query",
                 "SELECT m.method, count(*) AS n FROM evaluation e JOIN run_meta m USING (run_id) GROUP BY 1 ORDER BY 1",
