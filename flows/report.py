@@ -1,6 +1,6 @@
 """`focus report COMPARE_ID`: a comparison's figures, from the committed artifacts alone.
 
-``collect`` reads, for every run of the compare record: per evaluated iteration the held-out success (and the
+``collect`` reads, for every finished run of the compare record (unfinished ones are listed, not scored): per evaluated iteration the held-out success (and the
 exact value where the environment has one), the generated tokens by kind (``budget_ledger``), the critic's
 diagnostics (``fit_critic_r*``: error on branched states before it saw them, Spearman of the acquisition score
 with it), and per held-out task the final iteration's value; per run its wall time and CPU seconds. That JSON is
@@ -44,6 +44,8 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
                      "base_method": (info.get("config") or {}).get("method"), "overrides": row["overrides"],
                      "wall_s": info.get("wall_s"), "cpu_s": info.get("cpu_s"),
                      "compute_s": sum(m.timings.get(COMPUTE_TIMING, 0.0) for _, _, m in committed)})
+        if info.get("status") != "finished":  # a partial curve's last point is not a final success
+            continue
         tokens: dict[int, dict[str, int]] = defaultdict(lambda: dict.fromkeys(TOKEN_KINDS, 0))
         critic: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         evaluated = {}
