@@ -1,10 +1,11 @@
 """`focus report COMPARE_ID`: a comparison's figures, from the committed artifacts alone.
 
-``collect`` reads, for every finished run of the compare record (unfinished ones are listed, not scored): per evaluated iteration the held-out success (and the
-exact value where the environment has one), the generated tokens by kind (``budget_ledger``), the critic's
-diagnostics (``fit_critic_r*``: error on branched states before it saw them, Spearman of the acquisition score
-with it), and per held-out task the final iteration's value; per run its wall time and CPU seconds. That JSON is
-everything the report shows: ``--from-json`` renders the same report without the store.
+``collect`` reads, for every finished run of the compare record (unfinished ones are listed, not scored): per
+evaluated iteration the held-out success (and the exact value where the environment has one), the generated
+tokens by kind (``budget_ledger``), the critic's diagnostics (``fit_critic_r*``: error on branched states before
+it saw them, Spearman of the acquisition score with it), and per held-out task the final iteration's value; per
+run its wall time and CPU seconds. That JSON is everything the report shows: ``--from-json`` renders the same
+report without the store.
 
 The report (markdown + PNGs): learning curves per environment (mean and 95% t-interval over seeds), success
 against cumulative generated tokens, a table of final success and area under the curve (the mean over evaluated
