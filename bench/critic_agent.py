@@ -389,7 +389,9 @@ def run_env(env: str, grid: dict, settings: Settings, store: str, init: str | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="3 seeds, 7 strategies, a shorter SFT, 8 prompts and 16 reference draws (< 10 minutes)")
+                        help="3 seeds, 7 strategies, a shorter SFT, 8 prompts and 16 reference draws (from scratch "
+                             "over 10 min: code_localization's demonstrations take ~8; a rerun on its --store only "
+                             "replays)")
     parser.add_argument("--seeds", type=int, help="replay seeds (default 5, quick 3)")
     parser.add_argument("--envs", nargs="+", choices=EMBEDDED_ENVS, help="environments to run")
     parser.add_argument("--strategies", nargs="+", help="strategies to run")
