@@ -87,13 +87,21 @@ def per_task(evaluation) -> dict[str, float]:
     return {t: float(np.mean(v)) for t, v in values.items()}
 
 
-def _t_interval(values: Sequence[float]) -> tuple[float, float]:
+def t_half_width(values: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Half-width of the 95% t-interval of the mean along ``axis`` (NaN-aware; NaN with fewer than 2 values)."""
     from scipy import stats
 
     x = np.asarray(values, dtype=float)
+    n = np.sum(np.isfinite(x), axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return stats.t.ppf(0.975, n - 1) * np.nanstd(x, axis=axis, ddof=1) / np.sqrt(n)
+
+
+def _t_interval(values: Sequence[float]) -> tuple[float, float]:
+    x = np.asarray(values, dtype=float)
     if len(x) < 2:
         return float("nan"), float("nan")
-    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    half = float(t_half_width(x))
     return float(x.mean() - half), float(x.mean() + half)
 
 
@@ -184,9 +192,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
             groups[(r["env"], r["method"])].append(r)
         for (env, method), rows in sorted(groups.items()):
             rho = [r["score_error_spearman"] for r in rows if "score_error_spearman" in r]
-            lines.append(f"| {env} | {method} | {np.mean([r['critic_error_before'] for r in rows]):.3f} "
-                         f"| {np.mean(rho):.3f} |" if rho else f"| {env} | {method} | "
-                         f"{np.mean([r['critic_error_before'] for r in rows]):.3f} | – |")
+            error = np.mean([r["critic_error_before"] for r in rows])
+            lines.append(f"| {env} | {method} | {error:.3f} | {f'{np.mean(rho):.3f}' if rho else '–'} |")
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in images]
     return "\n".join(lines) + "\n"
 
@@ -221,9 +228,7 @@ def plots(data: dict[str, Any], summary: dict[str, Any], folder: Path) -> list[s
                 ax.plot(np.nanmean(xs, 0), mean, marker="o", label=f"{method} ({len(seeds)})",
                         linewidth=2.5 if method == FOCUS else 1.2)
                 if len(seeds) > 1:
-                    from scipy import stats
-
-                    half = stats.t.ppf(0.975, len(seeds) - 1) * np.nanstd(grid, 0, ddof=1) / np.sqrt(len(seeds))
+                    half = t_half_width(grid)
                     ax.fill_between(np.nanmean(xs, 0), mean - half, mean + half, alpha=0.15)
             ax.set_title(f"{env}: {key.replace('_', ' ')}")
             ax.set_xlabel(xlabel)
