@@ -89,6 +89,7 @@ class Settings:
     pool: int = 9  # draws per state a strategy may buy (>= acquisition.vine_k and max_per_state)
     reference: int = 24  # draws per state held out as the reference value
     sft_seconds: float = 240.0  # bootstrap.max_seconds of the SFT warm start (ignored with --init)
+    demonstrations: int = 1000  # bootstrap.demonstrations of the SFT warm start (ignored with --init)
     measure_episodes: int = 64  # budget.measure_episodes of the bootstrap
     states_per_chunk: int = 16  # states whose draws are generated (and written) together
 
@@ -97,7 +98,8 @@ class Settings:
         return self.pool + self.reference
 
 
-QUICK_SETTINGS = Settings(prompts=8, pool=9, reference=16, sft_seconds=150.0, measure_episodes=16)
+# Quick: code_localization's 1,000 expert demonstrations alone take ~8 minutes on this machine, so fewer.
+QUICK_SETTINGS = Settings(prompts=8, pool=9, reference=16, sft_seconds=150.0, demonstrations=300, measure_episodes=16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,7 +112,8 @@ def pipeline_config(env: str, settings: Settings, init: str | None) -> FocusConf
 
     overrides = [f"env.name={env}", f"budget.prompts_per_iteration={settings.prompts}",
                  f"budget.measure_episodes={settings.measure_episodes}",
-                 f"bootstrap.max_seconds={settings.sft_seconds}"]
+                 f"bootstrap.max_seconds={settings.sft_seconds}",
+                 f"bootstrap.demonstrations={settings.demonstrations}"]
     if init:
         overrides.append(f"bootstrap.init_from={init}")
     return load_config(None, overrides)

@@ -168,7 +168,7 @@ def _report(args: argparse.Namespace) -> int:
     import json as json_module
     from pathlib import Path
 
-    from flows.report import collect, write_report
+    from flows.report import collect, update_readme, write_report
 
     if args.from_json:
         data = json_module.loads(Path(args.from_json).read_text())
@@ -181,6 +181,10 @@ def _report(args: argparse.Namespace) -> int:
         print(f"{row['env']}: FOCUS − {row['best_baseline']} = {row['focus_minus_best']:+.3f} "
               f"({row['low']:+.3f} to {row['high']:+.3f})")
     print(f"report: {out / (data['name'] + '.md')}")
+    if args.readme:  # the headline table, made from the JSON the report just wrote (or was rendered from)
+        source = args.from_json or str(out / f"{data['name']}.json")
+        update_readme(Path(args.readme), data["name"], source, summary)
+        print(f"{args.readme}: headline of {data['name']} updated")
     return 0
 
 
@@ -244,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("name", nargs="?", help="the comparison's name (its spec's `name`)")
     report.add_argument("--out", help="folder for the markdown, JSON and PNGs (default docs/results/NAME)")
     report.add_argument("--from-json", help="render from a report's JSON instead of the runs' artifacts")
+    report.add_argument("--readme", help="also replace this markdown file's block of the comparison (between its "
+                                         "'<!-- focus report NAME: ... -->' and '<!-- end focus report NAME -->' "
+                                         "lines) with the headline tables")
     _store_option(report)
     report.set_defaults(run=_report)
 

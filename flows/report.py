@@ -161,13 +161,9 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
     return {"value": value_key, "table": table, "focus_vs_best": versus}
 
 
-def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str]) -> str:
-    value = "exact held-out success" if summary["value"] == "heldout_success_exact" else "held-out success"
-    lines = [f"# Comparison `{data['name']}`", "",
-             f"{len(data['runs'])} runs; the figure is the {value} of the policy after the last iteration (final) and "
-             "its mean over the evaluated iterations (AUC). 95% intervals: t over seeds; the FOCUS difference is a "
-             "paired bootstrap over seeds and held-out tasks.", "",
-             "| env | method | seeds | final (95% CI) | AUC | generated tokens / iteration |",
+def headline(summary: dict[str, Any]) -> list[str]:
+    """The two tables a reader wants first (the report opens with them; the README's copy is made from them)."""
+    lines = ["| env | method | seeds | final (95% CI) | AUC | generated tokens / iteration |",
              "|---|---|---|---|---|---|"]
     for r in summary["table"]:
         lines.append(f"| {r['env']} | {r['method']} | {r['seeds']} | {r['final']:.3f} ({r['final_low']:.3f}–"
@@ -177,8 +173,33 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
         star = " *" if v["significant"] else ""
         lines.append(f"| {v['env']} | {v['focus_minus_best']:+.3f} ({v['low']:+.3f} to {v['high']:+.3f}){star} "
                      f"| {v['best_baseline']} |")
-    lines += ["", "\\* the interval excludes 0.", "", "| run | status | wall s | CPU s | stage compute s |",
-              "|---|---|---|---|---|"]
+    return lines + ["", "\\* the interval excludes 0."]
+
+
+def readme_block(name: str, source: str, summary: dict[str, Any]) -> str:
+    """The README's copy of a comparison's headline, between markers that name the JSON it is made from."""
+    return "\n".join([f"<!-- focus report {name}: made by `focus report --from-json {source} --readme README.md` -->",
+                       *headline(summary), f"<!-- end focus report {name} -->"])
+
+
+def update_readme(readme: Path, name: str, source: str, summary: dict[str, Any]) -> None:
+    """Replace the block of comparison ``name`` in ``readme`` (it must already have the two markers)."""
+    text = readme.read_text()
+    begin, end = f"<!-- focus report {name}:", f"<!-- end focus report {name} -->"
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        raise ValueError(f"{readme} has no block for comparison {name!r} (fix: put the lines {begin} ... --> and "
+                         f"{end} where its table goes)")
+    readme.write_text(text[:start] + readme_block(name, source, summary) + text[stop + len(end):])
+
+
+def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str]) -> str:
+    value = "exact held-out success" if summary["value"] == "heldout_success_exact" else "held-out success"
+    lines = [f"# Comparison `{data['name']}`", "",
+             f"{len(data['runs'])} runs; the figure is the {value} of the policy after the last iteration (final) and "
+             "its mean over the evaluated iterations (AUC). 95% intervals: t over seeds; the FOCUS difference is a "
+             "paired bootstrap over seeds and held-out tasks.", "", *headline(summary)]
+    lines += ["", "| run | status | wall s | CPU s | stage compute s |", "|---|---|---|---|---|"]
     for r in data["runs"]:
         lines.append(f"| {r['run_id']} | {r['status']} | {_num(r['wall_s'])} | {_num(r['cpu_s'])} "
                      f"| {_num(r['compute_s'])} |")

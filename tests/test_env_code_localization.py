@@ -125,6 +125,16 @@ def test_tasks_are_deterministic_across_processes(quick):
     assert here and len({row[0] for row in here}) == len(here)
 
 
+def test_tasks_on_disk_are_the_generated_ones(quick, quick_text):
+    # The env reads its tasks from the cache under FOCUS_DATA_DIR when there is one: they must be what a fresh
+    # generation makes, field for field (facts included), in order.
+    for env, tier in ((quick, "default"), (quick_text, "text")):
+        every = env.tasks("train", tier) + env.tasks("heldout", tier)
+        fresh = cl.CodeLocalizationEnv(modules=QUICK)._generate(tier)
+        assert sorted(every, key=lambda t: t.task_id) == sorted(fresh, key=lambda t: t.task_id)
+        assert [t for t in fresh if t.split == "train"] == env.tasks("train", tier)
+
+
 def test_quick_split_is_by_module(quick):
     train, heldout = quick.tasks("train"), quick.tasks("heldout")
     assert train and heldout

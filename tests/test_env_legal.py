@@ -29,9 +29,9 @@ def data_dir(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("focus-data")
     patch = pytest.MonkeyPatch()
     patch.setenv("FOCUS_DATA_DIR", str(data_dir))
-    legal.cached_tasks.cache_clear()
+    legal.tier_tasks.cache_clear()
     yield data_dir
-    legal.cached_tasks.cache_clear()
+    legal.tier_tasks.cache_clear()
     patch.undo()
 
 
@@ -148,7 +148,7 @@ def test_tasks_are_deterministic_across_processes(env, tmp_path):
                          cwd=Path(__file__).resolve().parents[1])
     expected = digest(env.tasks("train") + env.tasks("heldout"))
     assert out.stdout.strip() == expected
-    legal.cached_tasks.cache_clear()  # now read back from the on-disk cache of the env fixture
+    legal.tier_tasks.cache_clear()  # now read back from the on-disk cache of the env fixture
     assert digest(env.tasks("train") + env.tasks("heldout")) == expected
 
 

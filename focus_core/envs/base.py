@@ -27,8 +27,11 @@ from __future__ import annotations
 import abc
 import functools
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from focus_core.agent.toolcall import ToolCall, ToolCallError, ToolSpec, parse_tool_call
@@ -70,6 +73,34 @@ def task_id(env: str, *parts: Any) -> str:
     """A short content id for a task: the same generator input always gives the same id."""
     text = "\x00".join([env, *map(str, parts)])
     return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def data_dir() -> Path:
+    """Where environments keep derived data (caches): $FOCUS_DATA_DIR, default <repo>/.focus-data."""
+    return Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
+
+
+def cached_tasks(env: str, tier: str, key: Sequence[object], generate: Callable[[], list[Task]]) -> list[Task]:
+    """``generate()``'s tasks, kept on disk under ``data_dir()/env``. ``key`` holds everything they derive from
+    (a generator's version and source, its data's hash), so a changed generator never reads a stale file. An
+    unreadable file is regenerated; a read-only data dir only costs the generation time."""
+    digest = hashlib.sha256()
+    for part in key:
+        digest.update(hashlib.sha256(part if isinstance(part, bytes) else str(part).encode()).digest())
+    path = data_dir() / env / f"tasks-{tier}-{digest.hexdigest()[:16]}.json"
+    try:
+        return [Task(**row) for row in json.loads(path.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError):
+        pass
+    tasks = generate()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps([asdict(t) for t in tasks], ensure_ascii=False), encoding="utf-8")
+        os.replace(temp, path)  # atomic: a reader sees no file or the whole one
+    except OSError:
+        pass
+    return tasks
 
 
 class ToolEnv(abc.ABC):

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, register_env, task_id
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, data_dir, register_env, task_id
 
 INDEX_VERSION = "bm25s-v1"  # bump when the tokeniser or the store changes: old caches are then ignored
 MAX_QUERY_CHARS, MAX_ANSWER_CHARS = 500, 500
@@ -269,8 +269,7 @@ def open_index(folder: str) -> Index:
 
 
 def _default_cache_dir() -> Path:
-    root = Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
-    return root / "browsecomp_plus"
+    return data_dir() / "browsecomp_plus"
 
 
 # -- the environment --------------------------------------------------------------------------------------------------

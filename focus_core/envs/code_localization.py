@@ -78,7 +78,17 @@ import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import code_mutations as cm
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, register_env, split_of, task_id
+from focus_core.envs.base import (
+    SPLITS,
+    Task,
+    ToolEnv,
+    ToolFailure,
+    ToolResult,
+    cached_tasks,
+    register_env,
+    split_of,
+    task_id,
+)
 
 HELDOUT_FRACTION = 0.2
 SPLIT_SALT = "code_localization-v1"
@@ -251,13 +261,17 @@ class CodeLocalizationEnv(ToolEnv):
         if split not in SPLITS or tier not in TIERS:
             raise ValueError(f"split must be one of {SPLITS} and tier one of {sorted(TIERS)}")
         if (split, tier) not in self._tasks:
-            every = self._generate(tier)
+            # Planning parses thousands of mutants (a minute or more): cached on disk, keyed by what the tasks derive
+            # from - the mutant records' cache (generator version, Python) and the two generators' sources.
+            cm.check_sources()  # the tasks quote these files: a cached copy is only as good as they are
+            key = (TASK_VERSION, ",".join(self.pool()), cm.cache_dir().name, Path(__file__).read_bytes(),
+                   Path(cm.__file__).read_bytes())
+            every = cached_tasks(self.name, tier, key, lambda: self._generate(tier))
             for name in SPLITS:
                 self._tasks[(name, tier)] = [task for task in every if task.split == name]
         return list(self._tasks[(split, tier)])
 
     def _generate(self, tier: str) -> list[Task]:
-        cm.check_sources()
         pool = self.pool()
         records, repo, tasks = cm.load_records(pool, SCOPE[tier]), _repo(pool), []
         for module in pool:
@@ -712,12 +726,21 @@ def _mutated_text(pool: str, path: str, start: int, end: int, replacement: str) 
     return text[:start] + replacement + text[end:]
 
 
+@functools.lru_cache(maxsize=16)
+def _entity_nodes(text: str) -> dict[str, ast.AST]:
+    """The first node of each entity of a module text. Parsed once per text: a plan asks for several of one
+    mutant's functions, and parsing was nine tenths of generating the default tier's tasks."""
+    found: dict[str, ast.AST] = {}
+    for entity, node in cm.entities(ast.parse(text)):
+        found.setdefault(entity.qualname, node)
+    return found
+
+
 @functools.lru_cache(maxsize=1024)
 def _function_lines(text: str, qualname: str) -> list[tuple[int, str]]:
     """(line number, text) of the code lines of an entity: no docstring, blank or comment-only lines (they would
     fill the short pages), dedented to the ``def``."""
-    tree = ast.parse(text)
-    node = next((node for entity, node in cm.entities(tree) if entity.qualname == qualname), None)
+    node = _entity_nodes(text).get(qualname)
     if node is None:
         return []
     doc = node.body[0] if ast.get_docstring(node) is not None else None

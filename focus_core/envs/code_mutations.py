@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from focus_core.envs.base import data_dir
+
 GENERATOR_VERSION = "3"
 PYTHON_VERSION = "3.11.7"
 # Pure-Python modules whose tests run fast and import the module normally (modules masked by C accelerators
@@ -544,10 +546,6 @@ def _clean(text: str, module: str) -> str:
 
 
 # -- cache -----------------------------------------------------------------------------------------------------
-
-def data_dir() -> Path:
-    return Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
-
 
 def cache_dir() -> Path:
     return data_dir() / "code_localization" / f"raw-v{GENERATOR_VERSION}-{PYTHON_VERSION}"

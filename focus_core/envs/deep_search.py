@@ -47,7 +47,6 @@ import functools
 import hashlib
 import importlib.util
 import json
-import os
 import random
 import re
 import unicodedata
@@ -64,6 +63,7 @@ from focus_core.envs.base import (
     ToolEnv,
     ToolFailure,
     ToolResult,
+    cached_tasks,
     ran_without_error,
     register_env,
     split_of,
@@ -552,25 +552,10 @@ class DeepSearchEnv(ToolEnv):
         return [t for t in self._tasks[tier] if t.split == split]
 
     def _cached_tasks(self, tier: str) -> list[Task]:
-        """Generation replays the expert on every candidate task (seconds), so tasks are cached on disk under
-        $FOCUS_DATA_DIR (default <repo>/.focus-data), keyed by generator version, data hash and this file's hash
-        (an edited generator never reads a stale cache)."""
-        root = Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
-        key = hashlib.sha256(f"{DATA_SHA256}".encode() + Path(__file__).read_bytes()).hexdigest()[:16]
-        path = root / "deep_search" / f"tasks-v{GENERATOR_VERSION}-{key}-{tier}.json"
-        try:
-            return [Task(**row) for row in json.loads(path.read_text(encoding="utf-8"))]
-        except (OSError, ValueError, TypeError):
-            pass  # no cache yet, or an unreadable one: regenerate
-        tasks = self._generate(tier)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            temp.write_text(json.dumps([t.__dict__ for t in tasks], ensure_ascii=False), encoding="utf-8")
-            os.replace(temp, path)  # atomic: readers see the old file or the whole new one
-        except OSError:
-            pass  # a read-only data dir only costs regeneration time
-        return tasks
+        # Generation replays the expert on every candidate task (seconds): cached on disk, keyed by the generator's
+        # version, its data's hash and this file.
+        return cached_tasks(self.name, tier, (GENERATOR_VERSION, DATA_SHA256, Path(__file__).read_bytes()),
+                            lambda: self._generate(tier))
 
     def _generate(self, tier: str) -> list[Task]:
         corpus = world()

@@ -82,12 +82,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import json
-import os
 import random
 import re
 import sqlite3
-import tempfile
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +97,7 @@ from focus_core.envs.base import (
     ToolEnv,
     ToolFailure,
     ToolResult,
+    cached_tasks,
     ran_without_error,
     register_env,
     split_of,
@@ -543,26 +541,12 @@ def generate_tasks(tier: str) -> dict[str, list[Task]]:
     return {name: sorted(found, key=lambda t: t.task_id) for name, found in tasks.items()}
 
 
-def _cache_path(tier: str) -> Path:
-    root = Path(os.environ.get("FOCUS_DATA_DIR") or Path(__file__).resolve().parents[2] / ".focus-data")
-    return root / "legal" / f"{GENERATOR_VERSION}-{DB_SHA256[:12]}-{tier}.json"
-
-
 @functools.cache
-def cached_tasks(tier: str) -> dict[str, tuple[Task, ...]]:
-    """``generate_tasks`` memoised in the process and on disk (FOCUS_DATA_DIR, keyed by generator version)."""
-    path = _cache_path(tier)
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-        return {name: tuple(Task(**row) for row in rows) for name, rows in stored.items()}
-    except (OSError, ValueError, TypeError):
-        pass  # missing or unreadable cache: generate
-    tasks = generate_tasks(tier)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump({name: [t.__dict__ for t in rows] for name, rows in tasks.items()}, tmp, ensure_ascii=False)
-    os.replace(tmp.name, path)  # atomic: readers never see a half-written cache
-    return {name: tuple(rows) for name, rows in tasks.items()}
+def tier_tasks(tier: str) -> dict[str, tuple[Task, ...]]:
+    """``generate_tasks`` memoised in the process and on disk (keyed by generator version, database and this file)."""
+    every = cached_tasks("legal", tier, (GENERATOR_VERSION, DB_SHA256, Path(__file__).read_bytes()),
+                         lambda: [t for rows in generate_tasks(tier).values() for t in rows])
+    return {name: tuple(t for t in every if t.split == name) for name in ("train", "heldout")}
 
 
 # -- the environment -------------------------------------------------------------------------------------
@@ -627,7 +611,7 @@ class LegalEnv(ToolEnv):
         if split not in ("train", "heldout") or tier not in TIERS:
             raise ValueError(f"unknown split {split!r} or tier {tier!r}; splits: train, heldout; tiers: "
                              f"{', '.join(TIERS)}")
-        return list(cached_tasks(tier)[split])
+        return list(tier_tasks(tier)[split])
 
     def reset(self, task: Task) -> str:
         observation = super().reset(task)
