@@ -98,7 +98,8 @@ class Settings:
         return self.pool + self.reference
 
 
-# Quick: code_localization's 1,000 expert demonstrations alone take ~8 minutes on this machine, so fewer.
+# Quick: fewer demonstrations and a shorter SFT. (A fresh machine's first code_localization run also plans its
+# tasks, 1.5-3 min, then cached under FOCUS_DATA_DIR.)
 QUICK_SETTINGS = Settings(prompts=8, pool=9, reference=16, sft_seconds=150.0, demonstrations=300, measure_episodes=16)
 
 
@@ -392,9 +393,8 @@ def run_env(env: str, grid: dict, settings: Settings, store: str, init: str | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="3 seeds, 7 strategies, a shorter SFT, 8 prompts and 16 reference draws (from scratch "
-                             "over 10 min: code_localization's demonstrations take ~8; a rerun on its --store only "
-                             "replays)")
+                        help="3 seeds, 7 strategies, a shorter SFT on 300 demonstrations, 8 prompts and 16 reference "
+                             "draws (a rerun on its --store only replays)")
     parser.add_argument("--seeds", type=int, help="replay seeds (default 5, quick 3)")
     parser.add_argument("--envs", nargs="+", choices=EMBEDDED_ENVS, help="environments to run")
     parser.add_argument("--strategies", nargs="+", help="strategies to run")
