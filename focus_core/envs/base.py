@@ -25,6 +25,7 @@ upper bound of the benchmark and the source of SFT demonstrations.
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import hashlib
 import json
@@ -93,13 +94,14 @@ def cached_tasks(env: str, tier: str, key: Sequence[object], generate: Callable[
     except (OSError, ValueError, TypeError):
         pass
     tasks = generate()
+    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         temp.write_text(json.dumps([asdict(t) for t in tasks], ensure_ascii=False), encoding="utf-8")
         os.replace(temp, path)  # atomic: a reader sees no file or the whole one
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
     return tasks
 
 

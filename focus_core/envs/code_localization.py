@@ -85,6 +85,7 @@ from focus_core.envs.base import (
     ToolFailure,
     ToolResult,
     cached_tasks,
+    data_dir,
     register_env,
     split_of,
     task_id,
@@ -830,14 +831,14 @@ def _reader_expert(task: Task, history: list[tuple[str, str]]) -> str:
 @functools.lru_cache(maxsize=1)
 def _host_paths() -> tuple[str, ...]:
     """Strings that would reveal the host (and the pristine sources) if an issue text contained them."""
-    found = {str(cm.stdlib_dir()), sys.prefix, sys.base_prefix, str(cm.data_dir()), os.path.expanduser("~")}
+    found = {str(cm.stdlib_dir()), sys.prefix, sys.base_prefix, str(data_dir()), os.path.expanduser("~")}
     return tuple(p for p in found if len(p) > 1) + ("focus-mutant",)
 
 
 # -- workspaces -------------------------------------------------------------------------------------------------
 
 def _workspace_dir() -> Path:
-    return cm.data_dir() / "code_localization" / f"ws-v{cm.GENERATOR_VERSION}"
+    return data_dir() / "code_localization" / f"ws-v{cm.GENERATOR_VERSION}"
 
 
 def _base_tree(pool: tuple[str, ...]) -> Path:

@@ -548,14 +548,12 @@ class DeepSearchEnv(ToolEnv):
         if split not in ("train", "heldout") or tier not in TIERS:
             raise ValueError(f"split must be train/heldout and tier one of {sorted(TIERS)}")
         if tier not in self._tasks:
-            self._tasks[tier] = self._cached_tasks(tier)
+            # Generation replays the expert on every candidate task (seconds): cached on disk, keyed by the
+            # generator's version, its data's hash and this file.
+            self._tasks[tier] = cached_tasks(self.name, tier, (GENERATOR_VERSION, DATA_SHA256,
+                                                               Path(__file__).read_bytes()),
+                                             lambda: self._generate(tier))
         return [t for t in self._tasks[tier] if t.split == split]
-
-    def _cached_tasks(self, tier: str) -> list[Task]:
-        # Generation replays the expert on every candidate task (seconds): cached on disk, keyed by the generator's
-        # version, its data's hash and this file.
-        return cached_tasks(self.name, tier, (GENERATOR_VERSION, DATA_SHA256, Path(__file__).read_bytes()),
-                            lambda: self._generate(tier))
 
     def _generate(self, tier: str) -> list[Task]:
         corpus = world()
