@@ -9,6 +9,7 @@
     focus report NAME [--out DIR] [--from-json PATH] [--store ROOT]      curves and paired differences of a grid
     focus sql --compare NAME [NAME | --query SQL]                        DuckDB over every run of a grid
     focus serve [--store ROOT]                                           deployments for the Prefect UI
+    focus deploy --pool NAME [--store ROOT]                              the same on a work pool's workers
     focus eval RUN_ID [--iteration N] [--tasks N] [--store ROOT]         held-out success of a checkpoint
     focus bench critic-budget [--quick] [--json PATH] [--plot PATH]   critic error vs branch budget
     focus bench critic-agent [--quick] [--json PATH] [--plot PATH]    the same on real agent states
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
+
+from flows.logs import quiet_terminal
 
 # Quiet, offline defaults for every command (reference/tooling.md): no telemetry, no hub access.
 QUIET_ENV = {
@@ -40,6 +42,7 @@ QUIET_ENV = {
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
     "TRANSFORMERS_VERBOSITY": "error",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",  # no INFO lines about creating and migrating mlruns.db
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     # The ephemeral Prefect API starts in 4-9 s on an idle machine; allow for a loaded one.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
@@ -96,6 +99,9 @@ def _resume(args: argparse.Namespace) -> int:
         print(f"focus resume: no run {args.run_id!r} under {store.root} (see `focus runs --store {store.root}`)",
               file=sys.stderr)
         return 2
+    from focus_core.lease import refuse_if_held
+
+    refuse_if_held(store, args.run_id)  # one line naming the holder, before Prefect starts
     from flows.train import train
 
     train(run_id=args.run_id, store=store.root)
@@ -188,6 +194,15 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy(args: argparse.Namespace) -> int:
+    from flows.serve import deploy
+
+    for name in deploy(args.pool, store=args.store):
+        print(f"deployment {name} on work pool {args.pool}")
+    print(f"start a worker on each machine of the pool: prefect worker start --pool {args.pool}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from flows.serve import serve
 
@@ -257,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = verbs.add_parser("serve", help="serve the train/eval deployments to a Prefect server for the UI")
     _store_option(serve)
     serve.set_defaults(run=_serve)
+    deploy = verbs.add_parser("deploy", help="deploy the train/eval/compare flows to a Prefect work pool")
+    deploy.add_argument("--pool", required=True, help="the work pool (created as a process pool if missing)")
+    _store_option(deploy)
+    deploy.set_defaults(run=_deploy)
 
     evaluate = verbs.add_parser("eval", help="held-out success of a run's policy checkpoint")
     evaluate.add_argument("run_id")
@@ -276,11 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
-    # FOCUS's own one-line-per-stage log at INFO; every library (httpx, mlflow, bm25s — which sets its
-    # logger to DEBUG on import) only from WARNING, filtered at the handler so no import can undo it.
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(lambda record: record.name.startswith("focus") or record.levelno >= logging.WARNING)
+    quiet_terminal()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb == "bench":

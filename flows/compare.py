@@ -34,8 +34,11 @@ from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm.auto import tqdm
 
+from flows.forms import CompareSettings
+from flows.logs import quiet_terminal, to_prefect
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import ConfigError, config_to_dict, load_config, validate_config
+from focus_core.lease import hold
 
 log = logging.getLogger("focus")
 RECORD_FOLDER = "_compare"  # under the store root; not a run id, so `focus runs` passes it by
@@ -153,7 +156,9 @@ def check_existing(store: ArtifactStore, rows: list[dict[str, Any]]) -> None:
 
 
 def _one_thread() -> None:
-    """Each Dask worker is one process with one core; the tiny model runs fastest single-threaded."""
+    """Each Dask worker is one process with one core; the tiny model runs fastest single-threaded. Its log lines
+    are the CLI's: FOCUS's own, and libraries' warnings."""
+    quiet_terminal()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -171,10 +176,11 @@ def bootstrap_run(row: dict[str, Any], store_root: str) -> str:
     store = ArtifactStore(store_root)
     if store.manifest(row["run_id"], 0, STAGE) is not None:
         return row["run_id"]
-    info = store.run_info(row["run_id"])
-    cfg = load_config(row["config"], row["overrides"]) if info is None else validate_config(info["config"])
-    store.write_run_info(row["run_id"], {"status": "running", "config": config_to_dict(cfg), "store": store.root})
-    bootstrap.fn(RunContext(store, row["run_id"], cfg))
+    with hold(store, row["run_id"]):
+        info = store.run_info(row["run_id"])
+        cfg = load_config(row["config"], row["overrides"]) if info is None else validate_config(info["config"])
+        store.write_run_info(row["run_id"], {"status": "running", "config": config_to_dict(cfg), "store": store.root})
+        bootstrap.fn(RunContext(store, row["run_id"], cfg))
     return row["run_id"]
 
 
@@ -206,9 +212,16 @@ def local_cluster(workers: int) -> DaskTaskRunner:
 # From the Prefect UI (focus serve) the flow runs on a local cluster of $FOCUS_COMPARE_WORKERS (2) processes.
 @flow(name="focus-compare", log_prints=False,
       task_runner=local_cluster(int(os.environ.get("FOCUS_COMPARE_WORKERS", "2"))))
-def compare(spec_path: str, store: str | None = None) -> str:
-    """Run (or resume) every run of the spec; returns the compare id. ``run_compare`` (``focus compare``) picks the
-    task runner: a local Dask cluster of ``--workers`` processes or an existing cluster."""
+def compare(settings: CompareSettings | None = None, spec_path: str | None = None, store: str | None = None) -> str:
+    """Run (or resume) every run of the spec (``spec_path``, or the UI form's ``settings``); returns the compare id.
+    ``run_compare`` (``focus compare``) picks the task runner: a local Dask cluster of ``--workers`` processes or
+    an existing cluster."""
+    spec_path = spec_path or (settings or CompareSettings()).path()
+    with to_prefect():
+        return _compare(spec_path, store)
+
+
+def _compare(spec_path: str, store: str | None) -> str:
     from flows.train import default_store
 
     spec = load_spec(spec_path)
@@ -229,7 +242,7 @@ def compare(spec_path: str, store: str | None = None) -> str:
                     results.append(result)
                     bar.update(1)
                     what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
-                    tqdm.write(f"compare {spec.name}: {result['run_id']} {what} ({bar.n}/{len(futures)})")
+                    log.info("compare %s: %s %s (%d/%d)", spec.name, result["run_id"], what, bar.n, len(futures))
                     del pending[k]
             time.sleep(0.5)
     write_record(artifacts, spec, status="finished", results=results)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.logs import to_prefect
 from flows.train import default_store
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import validate_config
@@ -20,6 +21,11 @@ from tasks.stage import RunContext
 @flow(name="focus-eval", log_prints=False)
 def evaluate_run(run_id: str, store: str | None = None, iteration: int | None = None,
                  tasks: int | None = None) -> dict:
+    with to_prefect():
+        return _evaluate_run(run_id, store, iteration, tasks)
+
+
+def _evaluate_run(run_id: str, store: str | None, iteration: int | None, tasks: int | None) -> dict:
     artifacts = ArtifactStore(store or default_store())
     info = artifacts.run_info(run_id)
     if info is None:

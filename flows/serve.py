@@ -1,14 +1,21 @@
-"""``focus serve``: the train and eval flows as deployments of a Prefect server, for the Prefect UI.
+"""``focus serve`` and ``focus deploy --pool``: the train, eval and compare flows as deployments of a Prefect server.
 
 Serving registers ``focus-train/default``, ``focus-eval/default`` and ``focus-compare/default`` with the server named by
 ``PREFECT_API_URL`` and then runs, in this process, every flow run the UI (or the REST API it uses)
-starts: a run's parameters are the ``focus train`` options (config path, overrides, run id, store).
-Start a server with ``python -m infra.services up prefect``; it prints the ``PREFECT_API_URL`` line.
+starts: a run's parameters are the ``focus train`` options (the settings form, config path, overrides, run id,
+store). Start a server with ``python -m infra.services up prefect``; it prints the ``PREFECT_API_URL`` line.
+
+Deploying to a work pool registers ``focus-train/{pool}`` (and eval, compare) on the pool instead, and returns:
+the pool's workers (``prefect worker start --pool NAME``, one per machine, e.g. per GPU node) pick the runs up.
+The flows' source is this checkout's folder, so a worker on another machine needs the same checkout at the same
+path, and every worker needs the same ``FOCUS_STORE`` (S3) and ``MLFLOW_TRACKING_URI``. A missing pool is
+created as a ``process`` pool.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from prefect import serve as prefect_serve
 
@@ -25,13 +32,14 @@ def deployments(store: str | None = None) -> list:
     root = store or default_store()
     return [
         train.to_deployment(name="default", parameters={"store": root},
-                            description="Train a policy (parameters: config_path, overrides, run_id, store); "
-                                        "with an existing run_id it resumes that run."),
+                            description="Train a policy: the settings form (method, env, iterations, seed, budget), "
+                                        "a config_path and overrides for the rest; with an existing run_id it "
+                                        "resumes that run."),
         evaluate_run.to_deployment(name="default", parameters={"store": root},
                                    description="Held-out success of a run's policy (run_id, iteration, tasks)."),
         compare.to_deployment(name="default", parameters={"store": root},
-                              description="A grid of training runs (spec_path: a compare spec YAML, e.g. "
-                                          "configs/compare/traps.yaml); a rerun resumes it."),
+                              description="A grid of training runs: a committed spec from the form, or a spec_path "
+                                          "(a compare spec YAML); a rerun resumes it."),
     ]
 
 
@@ -40,3 +48,33 @@ def serve(store: str | None = None) -> None:
         raise ValueError("focus serve needs a Prefect server: start one with `python -m infra.services up prefect` "
                          "and export the PREFECT_API_URL it prints")
     prefect_serve(*deployments(store))
+
+
+SOURCE = Path(__file__).resolve().parents[1]  # the checkout the workers load the flows from
+ENTRYPOINTS = {"focus-train": "flows/train.py:train", "focus-eval": "flows/evaluate.py:evaluate_run",
+               "focus-compare": "flows/compare.py:compare"}
+
+
+def deploy(pool: str, store: str | None = None) -> list[str]:
+    """Register the three flows as deployments of work pool ``pool`` (created as a process pool if missing);
+    returns the deployment names."""
+    from prefect import Flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ValueError("focus deploy needs a Prefect server: start one with `python -m infra.services up prefect` "
+                         "and export the PREFECT_API_URL it prints")
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    names = []
+    for made in deployments(store):
+        source = Flow.from_source(str(SOURCE), ENTRYPOINTS[made.flow_name])
+        source.deploy(name=pool, work_pool_name=pool, parameters=made.parameters, description=made.description,
+                      build=False, push=False, print_next_steps=False)
+        names.append(f"{made.flow_name}/{pool}")
+    return names

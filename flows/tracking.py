@@ -67,6 +67,25 @@ CURVES = (("success.heldout", "held-out success"), ("success.train", "train succ
           ("critic.mc_mae", "critic vs MC error (out of sample)"))
 
 
+@contextlib.contextmanager
+def first_use(tracking_uri: str) -> Iterator[None]:
+    """Where a client first touches its tracking store. MLflow creates and migrates a fresh sqlite database on
+    first use, and processes doing that at once crash ("duplicate column name: step") or leave it half-migrated,
+    so for sqlite the block holds an exclusive file lock beside the database (``mlruns.db.lock``): concurrent
+    runs then migrate it one after another. Also hides SQLAlchemy's deprecation notices from MLflow's store code."""
+    with contextlib.ExitStack() as stack:
+        if tracking_uri.startswith("sqlite:///"):
+            import fcntl
+
+            database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
+            database.parent.mkdir(parents=True, exist_ok=True)
+            handle = stack.enter_context(open(f"{database}.lock", "a"))  # noqa: SIM115 - closed by the stack
+            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
 class Tracker:
     """The MLflow side of one FOCUS run (see the module docstring); ``flows/train.py`` drives it."""
 
@@ -80,8 +99,7 @@ class Tracker:
         self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlruns.db'}"
         mlflow.set_tracking_uri(self.tracking_uri)  # the model logging in finish() uses the fluent API
         self.registered_model: tuple[str, int] | None = None  # (name, version) once finish() registered it
-        with warnings.catch_warnings():  # SQLAlchemy deprecation notices from MLflow's own store code
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with first_use(self.tracking_uri):
             self.client = mlflow.MlflowClient(self.tracking_uri)
             self.mlflow_run_id = self._attach_or_create(self._experiment())
             self._done = {int(m.step) for m in self.client.get_metric_history(self.mlflow_run_id, DONE_MARKER)}
@@ -371,8 +389,7 @@ def compare_parent_run(name: str, spec: Mapping[str, Any]) -> str | None:
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlruns.db'}"
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with first_use(uri):
             client = mlflow.MlflowClient(uri)
             name_of_experiment = os.environ.get("FOCUS_MLFLOW_EXPERIMENT", "focus")
             experiment = client.get_experiment_by_name(name_of_experiment)

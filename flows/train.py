@@ -22,9 +22,12 @@ from datetime import UTC, datetime
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from flows.forms import TrainSettings
+from flows.logs import to_prefect
 from flows.tracking import Tracker
 from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import FocusConfig, config_to_dict, load_config, validate_config
+from focus_core.lease import hold
 from tasks.acquire import acquire
 from tasks.advantage import advantage
 from tasks.bootstrap import bootstrap, budget_tokens
@@ -85,15 +88,17 @@ def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest
 
 
 @flow(name="focus-train", log_prints=False)
-def train(config_path: str | None = None, overrides: list[str] | None = None, run_id: str | None = None,
-          store: str | None = None) -> str:
+def train(settings: TrainSettings | None = None, config_path: str | None = None, overrides: list[str] | None = None,
+          run_id: str | None = None, store: str | None = None) -> str:
     """Train (or resume, with an existing ``run_id``) and return the run id.
 
-    ``config_path`` is a YAML file (None: the built-in defaults), ``overrides`` are ``a.b=c`` strings,
-    ``store`` a local folder or ``s3://bucket/prefix`` (default ``$FOCUS_STORE`` or ``runs``).
+    ``settings`` are the UI form's typed fields (method, env, iterations, seed, budget), each an override;
+    ``config_path`` is a YAML file (None: the built-in defaults), ``overrides`` are ``a.b=c`` strings (after
+    the settings), ``store`` a local folder or ``s3://bucket/prefix`` (default ``$FOCUS_STORE`` or ``runs``).
     A resumed run uses the config stored with it; overrides are refused then, since they would
     silently change what the committed stages meant.
     """
+    overrides = [*(settings.as_overrides() if settings else []), *(overrides or [])]
     artifacts = ArtifactStore(store or default_store())
     info = artifacts.run_info(run_id) if run_id else None
     if info is not None:
@@ -103,7 +108,12 @@ def train(config_path: str | None = None, overrides: list[str] | None = None, ru
     else:
         cfg = load_config(config_path, overrides or [])
         run_id = run_id or new_run_id(cfg)
-    ctx = RunContext(artifacts, run_id, cfg)
+    with to_prefect(), hold(artifacts, run_id):  # one writer per run: a second `focus resume` of it refuses
+        return _train(RunContext(artifacts, run_id, cfg), info)
+
+
+def _train(ctx: RunContext, info: dict | None) -> str:
+    artifacts, run_id, cfg = ctx.store, ctx.run_id, ctx.config
     tracker = Tracker(ctx)
     artifacts.write_run_info(run_id, {"status": "running", "config": config_to_dict(cfg),
                                       "mlflow_run_id": tracker.mlflow_run_id, "store": artifacts.root})

@@ -33,8 +33,9 @@ S3: endpoint and credentials come only from the standard AWS environment variabl
 appear in messages. The store checks the endpoint and bucket when it is created and fails within seconds
 with the fix (``python -m infra.services up s3``) instead of hanging in retries.
 
-Not handled: two processes committing the same (run, iteration, stage) at once. The flow runs one writer
-per stage; a second writer would wipe the first one's parts.
+One writer per run: the store itself does not stop two processes committing the same (run, iteration,
+stage) at once (a second writer would wipe the first one's parts); the run's lease does
+(``focus_core.lease``, ``{root}/{run_id}/_lease.json``), which ``focus train``, ``resume`` and ``compare`` hold.
 """
 
 from __future__ import annotations
@@ -666,6 +667,29 @@ class ArtifactStore:
         if not isinstance(info, dict) or info.get("kind") != RUN_INFO_KIND:
             raise ArtifactError(f'{url} is not a FOCUS run file (no "kind": "{RUN_INFO_KIND}"); move it away')
         return info
+
+    def read_run_file(self, run_id: str, name: str) -> str | None:
+        """The text of a small file ``{root}/{run_id}/{name}`` (e.g. the lease), or None if there is none."""
+        _check_run_id(run_id)
+        path = f"{self._base}/{run_id}/{name}"
+        with self._errors("reading", self._url(path)):
+            try:
+                return self._fs.cat_file(path).decode()
+            except FileNotFoundError:
+                return None
+
+    def write_run_file(self, run_id: str, name: str, text: str) -> None:
+        """Write ``{root}/{run_id}/{name}`` whole (a reader sees the old text or the new one, never a part)."""
+        _check_run_id(run_id)
+        path = f"{self._base}/{run_id}/{name}"
+        with self._errors("writing", self._url(path)):
+            self._write_atomic(path, text)
+
+    def remove_run_file(self, run_id: str, name: str) -> None:
+        _check_run_id(run_id)
+        path = f"{self._base}/{run_id}/{name}"
+        with self._errors("deleting", self._url(path)), contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(path)
 
     def committed(self, run_id: str) -> list[tuple[int, str, Manifest]]:
         """Every committed (iteration, stage, manifest) of a run, by iteration, then commit time."""

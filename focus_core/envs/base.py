@@ -227,7 +227,7 @@ def register_env(name: str) -> Callable[[type[ToolEnv]], type[ToolEnv]]:
     return add
 
 
-def make_env(name: str, **kwargs: Any) -> ToolEnv:
+def _register_all() -> None:
     # Importing the environment modules fills the registry; they load their data lazily.
     from focus_core.envs import (  # noqa: F401
         browsecomp_plus,
@@ -238,6 +238,15 @@ def make_env(name: str, **kwargs: Any) -> ToolEnv:
         trap_tools,
     )
 
+
+def environment_names() -> list[str]:
+    """Every registered environment's name (``env.name``), sorted."""
+    _register_all()
+    return sorted(ENVIRONMENTS)
+
+
+def make_env(name: str, **kwargs: Any) -> ToolEnv:
+    _register_all()
     if name not in ENVIRONMENTS:
         raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
     return ENVIRONMENTS[name](**kwargs)

@@ -1,0 +1,68 @@
+"""Where FOCUS's log lines go: the terminal (one line per stage, nothing from libraries below WARNING) and,
+inside a flow run, that run's logs in Prefect (the Logs tab of the UI).
+
+``quiet_terminal`` is called once per process that runs FOCUS code: the CLI and each Dask worker of
+``focus compare``. ``to_prefect`` wraps a flow's body: Prefect's API log handler is attached to the ``focus``
+logger for that time, so the stage lines and warnings reach the flow run without Prefect printing them twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+FOCUS_LOGGER = "focus"
+
+
+def _ours_or_warning(record: logging.LogRecord) -> bool:
+    return record.name.startswith(FOCUS_LOGGER) or record.levelno >= logging.WARNING
+
+
+class _AboveTheBars(logging.StreamHandler):
+    """Writes each line through ``tqdm.write``, so it lands above any progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
+def quiet_terminal() -> None:
+    """FOCUS's lines at INFO on stderr; every library (httpx, mlflow, bm25s — which sets its logger to DEBUG on
+    import) only from WARNING, filtered at the handlers so that no later import can undo it."""
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = _AboveTheBars()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    for handler in root.handlers:
+        if _ours_or_warning not in handler.filters:
+            handler.addFilter(_ours_or_warning)
+
+
+@contextlib.contextmanager
+def to_prefect() -> Iterator[None]:
+    """Send the ``focus`` logger's records (INFO and up) to the current Prefect flow run while the block runs."""
+    from prefect.logging.handlers import APILogHandler
+
+    logger = logging.getLogger(FOCUS_LOGGER)
+    if any(isinstance(handler, APILogHandler) for handler in logger.handlers):  # a nested flow: already sent
+        yield
+        return
+    handler = APILogHandler()
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:  # e.g. in a Prefect worker, whose root logs at WARNING
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
