@@ -25,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.forms import TrainSettings
 from flows.logs import to_prefect
 from flows.tracking import Tracker
-from focus_core.artifacts import ArtifactStore, Manifest
+from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable
 from focus_core.config import FocusConfig, config_to_dict, load_config, validate_config
 from focus_core.lease import hold
 from tasks.acquire import acquire
@@ -137,8 +137,11 @@ def _train(ctx: RunContext, info: dict | None) -> str:
             stages, critic = run_iteration(ctx, i, policy, reference, critic, history)
             policy = stages["update"]
             walls[str(i)] = walls.get(str(i), 0.0) + time.perf_counter() - iteration_started
-            artifacts.write_run_info(run_id, {"iteration_wall_s": walls,  # CPU: this process, all its threads
-                                              "cpu_s": cpu_before + time.process_time() - cpu_started})
+            try:  # bookkeeping, not results: a store that does not answer just now must not end the run
+                artifacts.write_run_info(run_id, {"iteration_wall_s": walls,  # CPU: this process, all its threads
+                                                  "cpu_s": cpu_before + time.process_time() - cpu_started})
+            except StoreUnavailable as error:
+                log.warning("run %s: iteration %d's wall and CPU time not recorded (%s)", run_id, i, error)
             tracker.log_iteration(i, stages)
             _publish(ctx, i, stages)
         final = evaluate(ctx, cfg.iterations, policy)

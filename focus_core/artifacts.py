@@ -41,6 +41,7 @@ stage) at once (a second writer would wipe the first one's parts); the run's lea
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -77,13 +78,20 @@ _NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")  # stages, tables, folder names
 _MANIFEST_PATH = re.compile(rf"/iteration=(?P<iteration>\d+)/(?P<stage>{_NAME.pattern})/{re.escape(MANIFEST_NAME)}$")
 _VOLATILE_FIELDS = ("created_at", "timings")
 
-# botocore settings for S3 clients: fail fast on a dead endpoint, retry briefly on throttling and 5xx.
-_S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
+# botocore settings for S3 clients: fail fast on a dead endpoint; retry throttling, 5xx and refused or reset
+# connections with backoff (standard mode: about 1 + 2 + 4 + 8 s at most); longer outages are left to the stages'
+# Prefect retries (tasks/stage.py). s3fs adds its own retries of timeouts and broken reads (`retries` below).
+_S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"}}
 _S3_FIX = "start it with `python -m infra.services up s3` or fix AWS_ENDPOINT_URL"
 
 
 class ArtifactError(RuntimeError):
     """The store cannot do what was asked; the message names the file or endpoint and the fix."""
+
+
+class StoreUnavailable(ArtifactError):
+    """The store did not answer (connection refused or reset, timeout) after the client's own retries: the one
+    store error that a later retry can cure (the stages' Prefect retries wait for it, ``tasks/stage.py``)."""
 
 
 # --- pure helpers: canonical JSON, stage versions, seeds ---------------------------------------------------
@@ -780,6 +788,9 @@ class ArtifactStore:
             raise translated from error
 
     def _translate(self, error: Exception, action: str, url: str) -> ArtifactError | None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ArtifactError(f"no space left on the device {action} {url} ({error.strerror}): free space there "
+                                 f"or give another --store; the stage was not committed, a resume redoes it")
         if isinstance(error, PermissionError):
             fix = (
                 "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's policy"
@@ -798,7 +809,7 @@ class ArtifactStore:
                 f"from config"
             )
         if isinstance(error, boto.ConnectionError | boto.HTTPClientError | ConnectionError | TimeoutError):
-            return ArtifactError(
+            return StoreUnavailable(
                 f"cannot reach S3 endpoint {_s3_endpoint() or 'AWS'} while {action} {url} ({error}): {_S3_FIX}"
             )
         return None

@@ -441,7 +441,10 @@ def _free_ports(count: int, exclude: set[int] = frozenset()) -> list[int]:
 
 
 def _port_free(port: int) -> bool:
+    """Nothing listens on the port. SO_REUSEADDR as the servers themselves set it: connections of a server that
+    just stopped linger in TIME_WAIT, and they must not keep it from starting again on its own port."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from focus_core.acquisition import CRITIC_FREE_STRATEGIES, Candidates, Request, advantage_sensitivity, allocate
 from focus_core.artifacts import Manifest
@@ -34,7 +32,7 @@ from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
 from tasks.fit_critic import branch_observations
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 
 def stage_name(round_idx: int) -> str:
@@ -223,7 +221,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                        seeds={"acquire": seed})
 
 
-@task(name="acquire", retries=1, cache_policy=NO_CACHE)
+@stage_task("acquire")
 def acquire(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
             critic: Manifest | None, charged: Sequence[Manifest]) -> Manifest:
     upstream = {"segment": segment, "rollout": rollout, **{f"charged_{k}": m for k, m in enumerate(charged)}}

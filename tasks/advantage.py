@@ -25,8 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
@@ -37,7 +35,7 @@ from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
 from tasks.fit_critic import out_of_fold_values
 from tasks.inputs import CRITIC_FOLDER, load_value_head, policy_at, read
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
 # The states columns the batch and the advantages table read (main and continuation states alike).
@@ -163,7 +161,7 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
     return states, episodes, dict(zip(zip(episode, segment_idx.tolist(), strict=True), value.tolist(), strict=True))
 
 
-@task(name="advantage", retries=1, cache_policy=NO_CACHE)
+@stage_task("advantage")
 def advantage(ctx: RunContext, iteration: int, segment: Manifest, values: Manifest | None,
               rollout: Manifest, policy: Manifest, branches: Sequence[Manifest] = ()) -> Manifest:
     on = ctx.config.ppo.train_on_continuations

@@ -21,8 +21,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
@@ -31,7 +29,7 @@ from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import FocusConfig
 from focus_core.policy.models import load_policy
 from tasks.inputs import POLICY_FOLDER, env_factory, tasks
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "bootstrap"
 SHARED_SECTIONS = ("env.name", "env.tier", "env.options", "model")  # an --init source must match these
@@ -117,7 +115,7 @@ def compute(ctx: RunContext, scratch: Path) -> StageResult:
                        seeds={"sft": seed})
 
 
-@task(name="bootstrap", retries=1, cache_policy=NO_CACHE)
+@stage_task("bootstrap")
 def bootstrap(ctx: RunContext) -> Manifest:
     cfg = ctx.config
     if cfg.bootstrap.init_from:  # the copy is valid as long as the source's bootstrap is the same one

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
@@ -26,7 +24,7 @@ from focus_core.budget import BudgetLedger
 from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
 from focus_core.schemas import content_id, schema_for
 from tasks.inputs import env_factory, policy_at, read, spent_tokens, tasks
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 
 def stage_name(round_idx: int) -> str:
@@ -84,7 +82,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
                        figures=figures, policy_version=policy.version, seeds={"branch": seed})
 
 
-@task(name="branch", retries=1, cache_policy=NO_CACHE)
+@stage_task("branch")
 def branch(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifest, rollout: Manifest,
            policy: Manifest, charged: Sequence[Manifest]) -> Manifest:
     upstream = {"acquisition": acquisition, "rollout": rollout, "policy": policy,

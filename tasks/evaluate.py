@@ -19,8 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
@@ -29,7 +27,7 @@ from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
 from tasks.inputs import env_factory, policy_at, tasks
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "evaluate"
 log = logging.getLogger("focus")
@@ -77,7 +75,7 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     return StageResult(tables={"evaluation": table}, figures=figures, policy_version=policy.version)
 
 
-@task(name="evaluate", retries=1, cache_policy=NO_CACHE)
+@stage_task("evaluate")
 def evaluate(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
     return run_stage(ctx, iteration, STAGE,
                      depends_on=ctx.fields("seed", "agent", "env"), upstream={"policy": policy},

@@ -33,8 +33,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from focus_core.acquisition import combine_estimates, spearman
 from focus_core.advantages import fill_missing_values
@@ -42,7 +40,7 @@ from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import FLOATS, schema_for
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
@@ -254,7 +252,7 @@ def _replay_data(ctx: RunContext, replay: Sequence[Manifest], n_features: int) -
             "successes": table.column("successes").to_numpy(), "trials": table.column("trials").to_numpy()}
 
 
-@task(name="fit_critic", retries=1, cache_policy=NO_CACHE)
+@stage_task("fit_critic")
 def fit_critic(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
                branches: Sequence[Manifest], replay: Sequence[Manifest] = ()) -> Manifest:
     upstream = {"segment": segment, "rollout": rollout, **{f"branch_{k}": m for k, m in enumerate(branches)},

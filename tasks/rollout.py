@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
@@ -36,7 +34,7 @@ from focus_core.envs.base import Task
 from focus_core.rollouts import episode_id, episode_tables
 from focus_core.schemas import content_id, schema_for
 from tasks.inputs import env_factory, policy_at, tasks
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "rollout"
 log = logging.getLogger("focus")
@@ -104,7 +102,7 @@ def _waves(cfg: FocusConfig, order: list[Task], ledger: BudgetLedger, group_cost
         used += n
 
 
-@task(name="rollout", retries=1, cache_policy=NO_CACHE)
+@stage_task("rollout")
 def rollout(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
     return run_stage(ctx, iteration, STAGE,
                      depends_on={**ctx.fields("seed", "method", "budget", "agent", "env.name", "env.tier",

@@ -12,15 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from focus_core.artifacts import Manifest
 from focus_core.features import policy_context_features, with_scalar_features
 from focus_core.rollouts import states_table
 from focus_core.schemas import FLOATS
 from tasks.inputs import policy_at, read
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "segment"
 
@@ -39,7 +37,7 @@ def compute(ctx: RunContext, rollout: Manifest, policy_manifest: Manifest, scrat
     return StageResult(tables={"states": states}, figures=figures, policy_version=rollout.policy_version)
 
 
-@task(name="segment", retries=1, cache_policy=NO_CACHE)
+@stage_task("segment")
 def segment(ctx: RunContext, iteration: int, rollout: Manifest, policy: Manifest) -> Manifest:
     return run_stage(ctx, iteration, STAGE, depends_on={}, upstream={"rollout": rollout, "policy": policy},
                      compute=lambda scratch: compute(ctx, rollout, policy, scratch))

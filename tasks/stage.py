@@ -13,7 +13,12 @@ function so that every stage behaves the same way:
 4. It logs one line: iteration, stage, its figures, compute seconds.
 
 The stage modules (``tasks/rollout.py`` ...) each define a plain function ``compute(...)`` (easy to
-call from a notebook or a test) and a Prefect task that calls ``run_stage`` with it.
+call from a notebook or a test) and a Prefect task (``stage_task``) that calls ``run_stage`` with it.
+
+Retries: a stage's Prefect task is retried, with backoff, only when the store did not answer
+(``StoreUnavailable``, raised after s3fs's and botocore's own retries) — every other error would happen again.
+A retry calls the stage again with the same input manifests: it re-reads them, recomputes with the same
+seeds and commits; whatever the failed attempt wrote is invisible without its manifest and is wiped.
 """
 
 from __future__ import annotations
@@ -29,11 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
-from focus_core.artifacts import ArtifactStore, Manifest, derive_seed, stage_version
+from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable, derive_seed, stage_version
 from focus_core.config import FocusConfig, config_to_dict
 
 log = logging.getLogger("focus")
+
+# Prefect retries per stage for an unreachable store, and the waits before them (s): the stages that take
+# minutes to recompute (the SFT warm start, the update) get fewer; together the waits outlast a server restart.
+STAGE_RETRIES = {"bootstrap": 2, "evaluate": 3, "rollout": 3, "segment": 3, "acquire": 3, "branch": 3,
+                 "fit_critic": 3, "advantage": 3, "update": 2}
+RETRY_DELAYS_S = [5, 20, 60]
 
 # Fault injection for the resume tests: "ITERATION:STAGE" makes the process SIGKILL itself halfway
 # through that stage (after its compute, before the commit), the one crash a test cannot time from
@@ -122,3 +135,20 @@ def _number(value: float) -> str:
     if isinstance(value, int) or float(value).is_integer():
         return f"{int(value):,}"
     return f"{value:.3g}"
+
+
+def stage_task(name: str) -> Callable:
+    """The Prefect task decorator of stage ``name``: retried (``STAGE_RETRIES``) only for an unreachable store.
+    No Prefect result cache: the committed manifests are the cache (``run_stage``)."""
+    retries = STAGE_RETRIES[name]
+    return task(name=name, retries=retries, retry_delay_seconds=RETRY_DELAYS_S[:retries],
+                retry_condition_fn=_store_unavailable, cache_policy=NO_CACHE)
+
+
+def _store_unavailable(task_, task_run, state) -> bool:
+    error = state.result(raise_on_failure=False)
+    if isinstance(error, StoreUnavailable):
+        log.warning("%s: the store did not answer (%s); Prefect retries the stage (retry %d of %d)", task_.name,
+                    str(error)[:200], task_run.run_count, task_.retries)
+        return True
+    return False

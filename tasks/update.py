@@ -28,8 +28,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
 from focus_core.advantages import whiten
@@ -39,7 +37,7 @@ from focus_core.ppo import load_optimizer_state, policy_update, save_optimizer_s
 from focus_core.rollouts import token_advantages
 from focus_core.schemas import schema_for
 from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
-from tasks.stage import RunContext, StageResult, run_stage
+from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "update"
 
@@ -99,7 +97,7 @@ def _per_sequence(table: pa.Table, sequences) -> dict[str, list[np.ndarray]]:
             for name in ("advantages", "returns", "values")}
 
 
-@task(name="update", retries=1, cache_policy=NO_CACHE)
+@stage_task("update")
 def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy: Manifest,
            reference: Manifest, branches: Sequence[Manifest] = ()) -> Manifest:
     upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference,

@@ -8,6 +8,7 @@ only injected fault is a crash between writing the parts and writing the manifes
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -211,6 +212,21 @@ def test_crash_before_manifest_leaves_stage_not_done_and_recommit_cleans_up(
     manifest = store.commit(RUN, 0, "rollout", version="v", tables={"rollouts": rollouts(50, seed=2)})
     assert listed(store, RUN, 0, "rollout") == sorted([MANIFEST_NAME, *(p.path for p in manifest.tables["rollouts"])])
     assert store.read_table(RUN, 0, "rollout", "rollouts").num_rows == 50
+
+
+def test_a_full_disk_ends_the_commit_with_one_line_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = ArtifactStore(tmp_path / "runs")
+
+    def full(path: str, text: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_write_atomic", full)  # the parts fit, the manifest does not
+    with pytest.raises(ArtifactError, match=r"^no space left on the device committing .*free space there") as caught:
+        store.commit(RUN, 0, "rollout", version="v", tables={"rollouts": rollouts(10)})
+    assert "\n" not in str(caught.value)
+    assert store.manifest(RUN, 0, "rollout") is None and store.committed(RUN) == []
 
 
 def test_readers_ignore_parts_the_manifest_does_not_list(store: ArtifactStore) -> None:
