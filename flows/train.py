@@ -20,7 +20,7 @@ import time
 from datetime import UTC, datetime
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows.forms import TrainSettings
 from flows.logs import to_prefect
@@ -145,6 +145,7 @@ def _train(ctx: RunContext, info: dict | None) -> str:
             tracker.log_iteration(i, stages)
             _publish(ctx, i, stages)
         final = evaluate(ctx, cfg.iterations, policy)
+        _publish_curve(ctx)
         tracker.log_iteration(cfg.iterations, {"evaluate": final})
         tracker.finish(policy, "FINISHED")
         artifacts.write_run_info(run_id, {"status": "finished", "wall_s": time.perf_counter() - started,
@@ -167,6 +168,32 @@ def _publish(ctx: RunContext, i: int, stages: dict[str, Manifest]) -> None:
         create_markdown_artifact("\n".join(lines), key=f"iteration-{i}", description=f"{ctx.run_id} iteration {i}")
     except Exception as error:  # the UI table is a convenience; never fail a training run for it
         log.debug("no Prefect artifact for iteration %d: %s", i, error)
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def _publish_curve(ctx: RunContext) -> None:
+    """The learning curve for the Prefect UI: a table (held-out success and tokens per iteration) and a one-line
+    sparkline, read from the committed evaluation and rollout manifests of the whole run (resumes included)."""
+    heldout, train, tokens = {}, {}, {}
+    for i, stage, manifest in ctx.store.committed(ctx.run_id):
+        if stage == "evaluate" and "heldout_success" in manifest.figures:
+            heldout[i] = float(manifest.figures["heldout_success"])
+        elif stage == "rollout":
+            train[i] = manifest.figures.get("success")
+            tokens[i] = manifest.figures.get("tokens")
+    rows = [{"iteration": i, "heldout_success": round(heldout[i], 4), "train_success": train.get(i),
+             "main_tokens": tokens.get(i)} for i in sorted(heldout)]
+    line = "".join(SPARKS[min(len(SPARKS) - 1, int(v * len(SPARKS)))] for v in (r["heldout_success"] for r in rows))
+    try:
+        create_table_artifact(rows, key="learning-curve", description=f"{ctx.run_id}: held-out success per iteration")
+        create_markdown_artifact(
+            f"### {ctx.run_id}: held-out success\n\n`{line}` {rows[0]['heldout_success']:.3f} → "
+            f"{rows[-1]['heldout_success']:.3f} over iterations {rows[0]['iteration']}–{rows[-1]['iteration']}",
+            key="learning-curve-line", description=f"{ctx.run_id} learning curve")
+    except Exception as error:  # the UI's curve is a convenience; never fail a training run for it
+        log.debug("no Prefect learning-curve artifact: %s", error)
 
 
 def _short(value) -> str:

@@ -29,6 +29,7 @@ from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import FocusConfig
 from focus_core.policy.models import load_policy
 from tasks.inputs import POLICY_FOLDER, env_factory, tasks
+from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "bootstrap"
@@ -81,9 +82,8 @@ def measure_episode_tokens(ctx: RunContext, policy) -> dict[str, float]:
     train = tasks(ctx, "train")
     seed = ctx.seed(0, STAGE, "measure")
     chosen = [train[i] for i in np.random.default_rng(seed).integers(0, len(train), cfg.budget.measure_episodes)]
-    with tqdm(total=len(chosen), desc="measuring B_tok", unit="episode", leave=False) as bar:
-        episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(
-            chosen, seed=seed, progress=lambda done: bar.update(done - bar.n))
+    with GenerationBar("measuring B_tok", len(chosen)) as bar:
+        episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(chosen, seed=seed, progress=bar.callback())
     tokens = np.array([e.generated_tokens for e in episodes], dtype=np.float64)
     return {"mean_episode_tokens": float(tokens.mean()), "max_episode_tokens": int(tokens.max()),
             "measured_episodes": len(episodes), "measured_success": float(np.mean([e.reward > 0 for e in episodes]))}

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
@@ -24,6 +23,7 @@ from focus_core.budget import BudgetLedger
 from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
 from focus_core.schemas import content_id, schema_for
 from tasks.inputs import env_factory, policy_at, read, spent_tokens, tasks
+from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 
@@ -47,10 +47,9 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
                             tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
     ledger = BudgetLedger(max(0, ctx.budget - spent_tokens(ctx, charged)))
     seed = ctx.seed(iteration, stage_name(round_idx))
-    with tqdm(total=len(starts), desc=f"it {iteration} branches r{round_idx}", unit="branch", leave=False) as bar:
+    with GenerationBar(f"it {iteration} branches r{round_idx}", len(starts), unit="branch") as bar:
         episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(
-            starts=starts, seed=seed, ledger=ledger, kind="branch", round_idx=round_idx,
-            progress=lambda done: bar.update(done - bar.n))
+            starts=starts, seed=seed, ledger=ledger, kind="branch", round_idx=round_idx, progress=bar.callback())
     branches = [branch_id(s.state_id, round_idx, k) for s, k in zip(starts, index, strict=True)]
     ids = [episode_id(ctx.run_id, iteration, s.task.task_id, "branch", s.state_id, round_idx, k)
            for s, k in zip(starts, index, strict=True)]

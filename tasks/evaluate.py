@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
@@ -27,6 +26,7 @@ from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
 from tasks.inputs import env_factory, policy_at, tasks
+from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "evaluate"
@@ -44,9 +44,9 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     policy = policy_at(ctx, policy_manifest)
     chosen = eval_tasks(ctx)
     agent = cfg.agent.model_copy(update={"temperature": cfg.env.eval_temperature})
-    with tqdm(total=len(chosen), desc=f"it {iteration} evaluation", unit="episode", leave=False) as bar:
+    with GenerationBar(f"it {iteration} evaluation", len(chosen)) as bar:
         episodes = AgentRunner(policy, env_factory(ctx), agent).run(
-            chosen, seed=ctx.seed(0, STAGE, "sampling"), progress=lambda done: bar.update(done - bar.n))
+            chosen, seed=ctx.seed(0, STAGE, "sampling"), progress=bar.callback())
     n = len(episodes)
     exact = None
     env = env_factory(ctx)()

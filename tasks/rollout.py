@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
@@ -34,6 +33,7 @@ from focus_core.envs.base import Task
 from focus_core.rollouts import episode_id, episode_tables
 from focus_core.schemas import content_id, schema_for
 from tasks.inputs import env_factory, policy_at, tasks
+from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "rollout"
@@ -50,12 +50,10 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     ledger = BudgetLedger(ctx.budget)
     runner = AgentRunner(policy, env_factory(ctx), cfg.agent)
     batch, episodes, group_costs = [], [], []
-    with tqdm(desc=f"it {iteration} rollouts", unit="episode", leave=False) as bar:
+    with GenerationBar(f"it {iteration} rollouts") as bar:
         for wave, chosen in enumerate(_waves(cfg, order, ledger, group_costs)):
             wave_tasks = [t for t in chosen for _ in range(group)]
-            done_before = bar.n
-            played = runner.run(wave_tasks, seed=seed + wave, ledger=ledger,
-                                progress=lambda done, base=done_before: bar.update(base + done - bar.n))
+            played = runner.run(wave_tasks, seed=seed + wave, ledger=ledger, progress=bar.callback())
             group_costs += [sum(e.generated_tokens for e in played[k:k + group])
                             for k in range(0, len(played), group)]
             batch += wave_tasks

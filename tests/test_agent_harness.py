@@ -238,3 +238,22 @@ def test_notes_after_an_empty_policy_message():
     from focus_core.agent.harness import summarize_notes
 
     assert summarize_notes(["at 1"], [("", "Error: no tool call found")]) == "- at 1\nLast call: "
+
+
+def test_progress_reports_every_turn_with_its_tokens_and_adds_up_over_runs(policy):
+    from tasks.progress import GenerationBar
+
+    config = AgentConfig(max_turns=3, max_action_tokens=12, compress_every_turns=2)
+    tasks = LookupEnv().tasks("train") * 2
+    seen = []
+    episodes = AgentRunner(policy, LookupEnv, config).run(tasks, seed=3, progress=seen.append)
+    assert [p.steps for p in seen] == list(range(1, len(seen) + 1))  # one report per lockstep turn
+    assert all(p.total == len(tasks) for p in seen)
+    assert [p.finished for p in seen] == sorted(p.finished for p in seen) and seen[-1].finished == len(tasks)
+    assert [p.tokens for p in seen] == sorted(p.tokens for p in seen)
+    assert seen[-1].tokens == sum(e.generated_tokens for e in episodes) > 0
+    with GenerationBar("test", total=2 * len(tasks)) as bar:  # two waves on one bar
+        for wave in range(2):
+            AgentRunner(policy, LookupEnv, config).run(tasks, seed=3, progress=bar.callback())
+            assert bar.finished == (wave + 1) * len(tasks) and bar.bar.n == bar.finished
+        assert bar.tokens == 2 * seen[-1].tokens and "tok/s" in bar.bar.postfix

@@ -99,6 +99,12 @@ def test_served_deployment_runs_from_the_ui_api(tmp_path):
             "logs": {"flow_run_id": {"any_": [flow_run["id"]]}}, "limit": 200})
             if "rollout" in entry["message"]], 60, "the stage lines in the flow run's logs")
         assert any(line.startswith("[it 0] rollout") and "episodes" in line for line in lines), lines
+        # Beside the per-iteration tables, the learning curve, as a table and a sparkline.
+        artifacts = api(base, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
+        by_key = {a["key"]: a for a in artifacts}
+        assert {"iteration-0", "learning-curve", "learning-curve-line"} <= set(by_key), sorted(by_key)
+        curve = json.loads(by_key["learning-curve"]["data"])
+        assert [row["iteration"] for row in curve] == [0, 1] and all(0 <= r["heldout_success"] <= 1 for r in curve)
     finally:
         stop(serving)
         server.stop()

@@ -41,6 +41,17 @@ NOTE_CHARS = 240  # how much of each observation the deterministic notes keep
 
 
 @dataclass(frozen=True)
+class RunProgress:
+    """Where ``AgentRunner.run`` is, reported after every generation call: episodes in lockstep batches finish
+    together, so the finished count alone stands still for minutes with a real model; steps and tokens move."""
+
+    finished: int  # episodes done or cut off
+    total: int  # episodes of this run call
+    steps: int  # lockstep turns taken (each: one batched generation for every active episode)
+    tokens: int  # tokens generated so far by this call
+
+
+@dataclass(frozen=True)
 class SegmentStart:
     """A branchable state: the compressed context at the start of segment ``segment_idx``."""
 
@@ -223,7 +234,7 @@ class AgentRunner:
     # -- running ------------------------------------------------------------------------------
 
     def run(self, tasks: Sequence[Task] = (), *, starts: Sequence[SegmentStart] = (), seed: int = 0,
-            progress: Callable[[int], None] | None = None, ledger: BudgetLedger | None = None,
+            progress: Callable[[RunProgress], None] | None = None, ledger: BudgetLedger | None = None,
             kind: str = "main", round_idx: int = 0) -> list[AgentEpisode]:
         """Play one episode per task from its initial state, and one continuation per given start.
 
@@ -240,6 +251,11 @@ class AgentRunner:
             active.append(self._begin(start, self.env_factory(), start))
         episodes = [a.episode for a in active]
         step = 0
+
+        def report(finished: int) -> None:
+            if progress:
+                progress(RunProgress(finished, len(episodes), step, sum(e.generated_tokens for e in episodes)))
+
         while active:
             for a in active:
                 self._maybe_start_compression(a)
@@ -250,8 +266,7 @@ class AgentRunner:
                 self._step_within_budget(active, ledger, step_seed, kind, round_idx)
             active = [a for a in active if not (a.episode.done or a.episode.truncated)]
             step += 1
-            if progress:
-                progress(len(episodes) - len(active))
+            report(len(episodes) - len(active))
         return episodes
 
     def _step_tokens(self, a: _Active) -> int:
