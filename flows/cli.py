@@ -5,8 +5,8 @@
     focus resume RUN_ID [--store ROOT]                                   continue a run from its last commit
     focus runs [--store ROOT]                                            runs with status, progress, overhead
     focus sql RUN_ID [NAME | --query SQL] [--store ROOT]                 DuckDB over a run's tables
-    focus compare SPEC.yaml [--workers N] [--dask ADDRESS] [--store ROOT]  a grid of runs from shared starts
-    focus report NAME [--out DIR] [--from-json PATH] [--store ROOT]      curves and paired differences of a grid
+    focus compare SPEC.yaml [--env NAME] [--workers N] [--dask ADDRESS] [--store ROOT]  a grid from shared starts
+    focus report NAME [--out DIR] [--from-json PATH] [--keep JSON] [--store ROOT]  curves, paired differences
     focus sql --compare NAME [NAME | --query SQL]                        DuckDB over every run of a grid
     focus serve [--store ROOT]                                           deployments for the Prefect UI
     focus deploy --pool NAME [--store ROOT]                              the same on a work pool's workers
@@ -164,7 +164,8 @@ def _tables() -> list[str]:
 def _compare(args: argparse.Namespace) -> int:
     from flows.compare import run_compare
 
-    name = run_compare(args.spec, store=_store(args.store).root, workers=args.workers, dask_address=args.dask)
+    name = run_compare(args.spec, store=_store(args.store).root, workers=args.workers, dask_address=args.dask,
+                       envs=args.env)
     print(f"comparison {name} finished. Report it: focus report {name}; query it: focus sql --compare {name} "
           "--query 'SELECT ...'")
     return 0
@@ -174,13 +175,15 @@ def _report(args: argparse.Namespace) -> int:
     import json as json_module
     from pathlib import Path
 
-    from flows.report import collect, update_readme, write_report
+    from flows.report import collect, merge, update_readme, write_report
 
     if args.from_json:
         data = json_module.loads(Path(args.from_json).read_text())
         data.pop("summary", None)
     else:
         data = collect(_store(args.store), args.name)
+    if args.keep:
+        data = merge(data, json_module.loads(Path(args.keep).read_text()))
     out = Path(args.out or f"docs/results/{data['name']}")
     summary = write_report(data, out)
     for row in summary["focus_vs_best"]:
@@ -256,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("spec", help="compare spec YAML (see configs/compare/)")
     compare.add_argument("--workers", type=int, default=2, help="local Dask worker processes (one run each)")
     compare.add_argument("--dask", metavar="ADDRESS", help="an existing Dask scheduler, e.g. tcp://host:8786")
+    compare.add_argument("--env", action="append", metavar="NAME",
+                         help="run only this environment's part of the grid (repeatable); the rest another time")
     _store_option(compare)
     compare.set_defaults(run=_compare)
 
@@ -263,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("name", nargs="?", help="the comparison's name (its spec's `name`)")
     report.add_argument("--out", help="folder for the markdown, JSON and PNGs (default docs/results/NAME)")
     report.add_argument("--from-json", help="render from a report's JSON instead of the runs' artifacts")
+    report.add_argument("--keep", metavar="JSON", help="an earlier report's JSON of this comparison: its finished runs "
+                        "that the store lacks are kept (a grid run part by part, `focus compare --env`)")
     report.add_argument("--readme", help="also replace this markdown file's block of the comparison (between its "
                                          "'<!-- focus report NAME: ... -->' and '<!-- end focus report NAME -->' "
                                          "lines) with the headline tables")

@@ -76,10 +76,13 @@ class CompareSpec(BaseModel):
         prefix = f"{self.name}-" if self.run_prefix is None else self.run_prefix
         return f"{prefix}{env}-{method}-s{seed}"
 
-    def runs(self) -> list[dict[str, Any]]:
-        """One row per run: ids, where its config comes from, its overrides and the run it starts from."""
+    def runs(self, envs: list[str] | None = None) -> list[dict[str, Any]]:
+        """One row per run (of ``envs`` only, if given): ids, where its config comes from, its overrides and the
+        run it starts from."""
         rows = []
         for env, config in self.envs.items():
+            if envs is not None and env not in envs:
+                continue
             for seed in self.seeds:
                 for method, overrides in self.methods.items():
                     sets = [f"seed={seed}", *([] if config else [f"env.name={env}"]),
@@ -212,22 +215,25 @@ def local_cluster(workers: int) -> DaskTaskRunner:
 # From the Prefect UI (focus serve) the flow runs on a local cluster of $FOCUS_COMPARE_WORKERS (2) processes.
 @flow(name="focus-compare", log_prints=False,
       task_runner=local_cluster(int(os.environ.get("FOCUS_COMPARE_WORKERS", "2"))))
-def compare(settings: CompareSettings | None = None, spec_path: str | None = None, store: str | None = None) -> str:
+def compare(settings: CompareSettings | None = None, spec_path: str | None = None, store: str | None = None,
+            envs: list[str] | None = None) -> str:
     """Run (or resume) every run of the spec (``spec_path``, or the UI form's ``settings``); returns the compare id.
+    ``envs`` runs only those environments' part of the grid (a grid too long for one sitting, run part by part).
     ``run_compare`` (``focus compare``) picks the task runner: a local Dask cluster of ``--workers`` processes or
     an existing cluster."""
     spec_path = spec_path or (settings or CompareSettings()).path()
     with to_prefect():
-        return _compare(spec_path, store)
+        return _compare(spec_path, store, envs)
 
 
-def _compare(spec_path: str, store: str | None) -> str:
+def _compare(spec_path: str, store: str | None, envs: list[str] | None) -> str:
     from flows.train import default_store
 
     spec = load_spec(spec_path)
     artifacts = ArtifactStore(store or default_store())
-    rows = spec.runs()
+    rows = spec.runs(envs)
     check_existing(artifacts, rows)
+    status = "finished" if envs is None or set(spec.envs) <= set(envs) else "partial"
     write_record(artifacts, spec, status="running", spec_path=str(spec_path))
     firsts = [r for r in rows if r["init_from"] is None]
     boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
@@ -245,21 +251,26 @@ def _compare(spec_path: str, store: str | None) -> str:
                     log.info("compare %s: %s %s (%d/%d)", spec.name, result["run_id"], what, bar.n, len(futures))
                     del pending[k]
             time.sleep(0.5)
-    write_record(artifacts, spec, status="finished", results=results)
+    write_record(artifacts, spec, status=status, results=results)
     return spec.name
 
 
-def run_compare(spec_path: str, store: str | None = None, workers: int = 2, dask_address: str | None = None) -> str:
+def run_compare(spec_path: str, store: str | None = None, workers: int = 2, dask_address: str | None = None,
+                envs: list[str] | None = None) -> str:
     """``focus compare``: the flow on a local Dask cluster of ``workers`` processes, or on ``dask_address``."""
     from flows.tracking import PARENT_RUN_ENV, compare_parent_run
 
     spec = load_spec(spec_path)  # fail fast, before a cluster starts
+    unknown = sorted(set(envs or ()) - set(spec.envs))
+    if unknown:
+        raise ConfigError(f"compare spec {spec_path}: no environment {', '.join(unknown)} in it (fix: one of "
+                          f"{', '.join(spec.envs)})")
     runner = DaskTaskRunner(address=dask_address) if dask_address else local_cluster(workers)
     parent = compare_parent_run(spec.name, spec.model_dump())
     if parent:  # workers inherit the environment: each training run becomes the parent's child
         os.environ[PARENT_RUN_ENV] = parent
     try:
-        return compare.with_options(task_runner=runner)(spec_path=str(spec_path), store=store)
+        return compare.with_options(task_runner=runner)(spec_path=str(spec_path), store=store, envs=envs)
     finally:
         os.environ.pop(PARENT_RUN_ENV, None)
 

@@ -19,8 +19,9 @@ def _ours_or_warning(record: logging.LogRecord) -> bool:
     return record.name.startswith(FOCUS_LOGGER) or record.levelno >= logging.WARNING
 
 
-class _AboveTheBars(logging.StreamHandler):
-    """Writes each line through ``tqdm.write``, so it lands above any progress bar instead of through it."""
+class AboveTheBars(logging.StreamHandler):
+    """Writes each line through ``tqdm.write``, so it lands above any progress bar instead of through it.
+    (Public name on purpose: Prefect's logging set-up replaces root handlers whose class name starts with "_".)"""
 
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
@@ -36,7 +37,7 @@ def quiet_terminal() -> None:
     import) only from WARNING, filtered at the handlers so that no later import can undo it."""
     root = logging.getLogger()
     if not root.handlers:
-        handler = _AboveTheBars()
+        handler = AboveTheBars()
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         root.addHandler(handler)
     root.setLevel(logging.INFO)

@@ -5,7 +5,8 @@ evaluated iteration the held-out success (and the exact value where the environm
 tokens by kind (``budget_ledger``), the critic's diagnostics (``fit_critic_r*``: error on branched states before
 it saw them, Spearman of the acquisition score with it), and per held-out task the final iteration's value; per
 run its wall time and CPU seconds. That JSON is everything the report shows: ``--from-json`` renders the same
-report without the store.
+report without the store, and ``--keep`` adds the finished runs of an earlier JSON to what the store holds (a grid
+run part by part, ``focus compare --env``, in sessions whose stores are gone).
 
 The report (markdown + PNGs): learning curves per environment (mean and 95% t-interval over seeds), success
 against cumulative generated tokens, a table of final success and area under the curve (the mean over evaluated
@@ -76,6 +77,22 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
             for task_id, value in per_task(table).items():
                 task_values.append({**key, "iteration": last, "task_id": task_id, "value": value})
     return {"name": name, "runs": runs, "iterations": iterations, "tasks": task_values}
+
+
+def merge(data: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
+    """``data`` plus the finished runs of an ``earlier`` report of the same comparison that ``data`` lacks (a grid
+    run part by part, each part in a session whose store did not outlive it). A run finished in both is ``data``'s."""
+    if earlier.get("name") != data["name"]:
+        raise ValueError(f"the earlier report is of comparison {earlier.get('name')!r}, not {data['name']!r} "
+                         f"(fix: pass that comparison's own JSON)")
+    finished = {r["run_id"] for r in data["runs"] if r["status"] == "finished"}
+    taken = {r["run_id"] for r in earlier["runs"] if r["status"] == "finished" and r["run_id"] not in finished}
+    keys = {(r["env"], r["method"], r["seed"]) for r in earlier["runs"] if r["run_id"] in taken}
+    runs = [next(e for e in earlier["runs"] if e["run_id"] == r["run_id"]) if r["run_id"] in taken else r
+            for r in data["runs"]]
+    of = lambda rows: [r for r in rows if (r["env"], r["method"], r["seed"]) in keys]  # noqa: E731
+    return {**data, "runs": runs, "iterations": data["iterations"] + of(earlier["iterations"]),
+            "tasks": data["tasks"] + of(earlier["tasks"])}
 
 
 def per_task(evaluation) -> dict[str, float]:

@@ -133,6 +133,37 @@ def test_an_existing_run_with_other_settings_is_refused(tmp_path):
         check_existing(store, spec.runs())
 
 
+def test_a_grid_runs_part_by_part_one_environment_at_a_time(tmp_path):
+    from flows.compare import load_spec, run_compare
+
+    spec = load_spec(_spec(tmp_path))
+    part = spec.runs(["lookup_chain"])
+    assert {r["env"] for r in part} == {"lookup_chain"} and part == [r for r in spec.runs() if r in part]
+    assert len(part) == 2 and part[1]["init_from"] == part[0]["run_id"]  # the part keeps its shared bootstrap
+    with pytest.raises(ConfigError, match="no environment legal in it .*fix: one of combination_lock, lookup_chain"):
+        run_compare(_spec(tmp_path), store=str(tmp_path / "runs"), envs=["legal"])
+
+
+def test_a_report_keeps_the_finished_runs_of_an_earlier_part_that_the_store_lacks():
+    from flows.report import merge, summarise
+
+    full = json.loads((Path(__file__).resolve().parents[1] / "docs/results/traps/traps.json").read_text())
+    full.pop("summary")
+    # This session's store holds the lock's part; the chain's runs ran in an earlier session, now gone.
+    part = {**full, "runs": [r if r["env"] == "combination_lock" else {**r, "status": "missing"} for r in full["runs"]],
+            "iterations": [r for r in full["iterations"] if r["env"] == "combination_lock"],
+            "tasks": [r for r in full["tasks"] if r["env"] == "combination_lock"]}
+    merged = merge(part, full)
+    assert merged["runs"] == full["runs"]
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    assert sorted(map(key, merged["iterations"])) == sorted(map(key, full["iterations"]))
+    assert sorted(map(key, merged["tasks"])) == sorted(map(key, full["tasks"]))
+    assert summarise(merged) == summarise(full)
+    assert merge(full, part) == full  # a run finished in the store is the store's
+    with pytest.raises(ValueError, match="comparison 'other', not 'traps'"):
+        merge(full, {**full, "name": "other"})
+
+
 def test_the_readme_headline_tables_are_the_ones_their_committed_json_makes(tmp_path):
     import re
 
