@@ -135,6 +135,37 @@ class _Minibatch:
     old_values: torch.Tensor | None = None  # [rows, width] float32 sampling-time values (value clipping only)
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's part of a data-parallel ``policy_update`` (e.g. under ``accelerate launch`` or ``torchrun``).
+
+    Every process holds all the sequences and packs the same minibatches (same seed); each computes the loss of
+    its rows, ``rank::world``, weighted by its share of the minibatch's trained tokens (or, for the constant
+    normaliser, of its sequences), so that the processes' losses add up to the single-process loss. Gradients are
+    summed over the processes before clipping, so every process takes the same step: the update equals the
+    single-process one up to float summation order. ``all_reduce(tensor, op)`` reduces in place over the
+    processes, ``op`` "sum" or "max" (``accelerate``'s ``Accelerator.reduce``, or ``torch.distributed``).
+    """
+
+    rank: int
+    world: int
+    all_reduce: Callable[[torch.Tensor, str], None]
+
+
+def accelerate_data_parallel() -> DataParallel | None:
+    """This process's ``DataParallel`` when it runs under ``accelerate launch`` (or ``torchrun``) with more than one
+    process — gloo on CPUs, NCCL on GPUs, as accelerate sets it up — else None (one process: the plain update)."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    if state.num_processes == 1:
+        return None
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    return DataParallel(state.process_index, state.num_processes, lambda tensor, op: dist.all_reduce(tensor, ops[op]))
+
+
 def policy_update(
     model: torch.nn.Module,
     sequences: Sequence[SequenceLike],
@@ -152,6 +183,7 @@ def policy_update(
     value_coef: float = 0.5,
     value_clip: float | None = 0.2,
     progress: Callable[[dict[str, float | int]], None] | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> UpdateReport:
     """``config.epochs`` passes of PPO-clip over ``sequences`` with per-token ``advantages``; updates ``model``
     in place (a Hugging Face causal LM) and returns the per-step rows and summary figures.
@@ -161,8 +193,9 @@ def policy_update(
     when ``config.kl_coef > 0``; given with kl_coef 0, the KL is only measured. ``value_head`` trains a value head
     jointly (updated in place, moved to the model's device) on ``value_returns``, with PPO value clipping against
     ``old_values`` when both they and ``value_clip`` are given; each row then has a ``value_loss``. ``progress``
-    is called with each step's row. Inputs are checked before any step: a non-finite advantage, old log-prob,
-    return or old value at a trained position raises ``ValueError``.
+    is called with each step's row. ``data_parallel`` splits each minibatch over processes (``DataParallel``).
+    Inputs are checked before any step: a non-finite advantage, old log-prob, return or old value at a trained
+    position raises ``ValueError``.
     """
     if config.kl_coef > 0 and reference_model is None:
         raise ValueError(f"policy_update: kl_coef={config.kl_coef} needs a reference_model (or set ppo.kl_coef=0)")
@@ -194,6 +227,7 @@ def policy_update(
     approx_kls: list[float] = []
     gap = 0.0
     started = time.perf_counter()
+    trained = np.array([int(mask[1:].sum()) for _, _, mask, _ in data])  # trained tokens per sequence
     try:
         for epoch in range(config.epochs):
             batches = _pack(lengths, batch_tokens, rng)
@@ -201,28 +235,54 @@ def policy_update(
             for indices in batches:
                 step = len(rows)
                 where = f"epoch {epoch}, step {step}"
-                batch = _collate([data[i] for i in indices], device)
-                if value is not None:
-                    returns, old = zip(*(value_data[i] for i in indices), strict=True)
-                    batch.returns = _collate_targets(returns, device)
-                    batch.old_values = None if old_values is None else _collate_targets(old, device)
                 # Dr.GRPO: C · rows → C · n̄, the same normaliser for every minibatch.
                 scale = len(indices) / mean_rows if config.loss_agg == "constant" else 1.0
-                loss, parts, new = _minibatch_loss(
-                    model, reference_model, batch, config, scale, where, temperature, value
-                )
-                if step == 0:
-                    gap = (new - batch.old)[batch.mask].abs().max().item()
-
+                mine = indices if data_parallel is None else indices[data_parallel.rank::data_parallel.world]
+                token_weight = float(trained[mine].sum() / trained[indices].sum())
+                row_weight = len(mine) / len(indices) if config.loss_agg == "constant" else token_weight
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                new = None
+                if len(mine):
+                    batch = _collate([data[i] for i in mine], device)
+                    if value is not None:
+                        returns, old = zip(*(value_data[i] for i in mine), strict=True)
+                        batch.returns = _collate_targets(returns, device)
+                        batch.old_values = None if old_values is None else _collate_targets(old, device)
+                    loss, parts, new = _minibatch_loss(model, reference_model, batch, config, scale * row_weight,
+                                                       token_weight, where, temperature, value)
+                    loss.backward()
+                else:  # more processes than the minibatch has sequences: this one adds nothing, but reduces
+                    parts = dict.fromkeys(("policy_loss", "kl", "clip_fraction", "entropy"), 0.0)
+                    parts |= {"value_loss": 0.0} if value is not None else {}
+                    loss = torch.zeros(())
+                if data_parallel is not None:
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        data_parallel.all_reduce(p.grad, "sum")
+                    summed = torch.tensor([loss.item(), *parts.values()], dtype=torch.float64)
+                    data_parallel.all_reduce(summed, "sum")
+                    loss_value, parts = summed[0].item(), dict(zip(parts, summed[1:].tolist(), strict=True))
+                else:
+                    loss_value = loss.item()
+                measured = torch.zeros(2, dtype=torch.float64)  # the on-policy gap (max) and the KL before the step
+                if new is not None:
+                    with torch.no_grad():
+                        measured[0] = (new - batch.old)[batch.mask].abs().max().item() if step == 0 else 0.0
+                        measured[1] = kl_k3(batch.old, new, batch.mask).item() * token_weight
+                if data_parallel is not None:
+                    gap_part, kl_part = measured[:1].clone(), measured[1:].clone()
+                    data_parallel.all_reduce(gap_part, "max")
+                    data_parallel.all_reduce(kl_part, "sum")
+                    measured = torch.cat([gap_part, kl_part])
+                if step == 0:
+                    gap = measured[0].item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
                 _check_finite(grad_norm, "gradient norm", where, lambda: "the backward pass produced inf/NaN")
                 optimizer.step()
 
-                with torch.no_grad():
-                    approx_kls.append(kl_k3(batch.old, new, batch.mask).item())
-                row = {"epoch": epoch, "step": step, "loss": loss.item(), **parts}
+                approx_kls.append(measured[1].item())
+                row = {"epoch": epoch, "step": step, "loss": loss_value, **parts}
                 row.update(grad_norm=grad_norm.item(), lr=config.lr)
                 rows.append(row)
                 if progress:
@@ -489,11 +549,14 @@ def _minibatch_loss(
     batch: _Minibatch,
     config: PPOConfig,
     scale: float,
+    token_weight: float,
     where: str,
     temperature: float,
     value: _ValueTerm | None,
 ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-    """(loss, its logged parts, detached new log-probs [rows, width]) of one minibatch."""
+    """(loss, its logged parts, detached new log-probs [rows, width]) of one minibatch. ``scale`` multiplies the
+    clipped surrogate, ``token_weight`` the token means (KL, entropy, value, clip fraction): both 1 but in a
+    data-parallel update, where they are this process's share of the minibatch."""
     hidden = _trained_hidden(model, batch)
     logits = _logits(model, hidden, temperature)
     new = _gather_logprobs(logits, batch)
@@ -530,16 +593,20 @@ def _minibatch_loss(
         kl = kl_k3(new, reference, batch.mask)
     with torch.set_grad_enabled(config.entropy_coef > 0):  # logged either way; a graph only when trained
         entropy = entropy_from_logits(logits[None], torch.ones(logits.shape[:1], device=logits.device)[None])
+    if token_weight != 1.0:  # a data-parallel share; at 1 the loss is computed exactly as before
+        kl, entropy = kl * token_weight, entropy * token_weight
     loss = policy_loss + config.kl_coef * kl - config.entropy_coef * entropy
     parts = {
         "policy_loss": policy_loss.item(),
         "kl": kl.item(),
-        "clip_fraction": stats["clip_fraction"],
+        "clip_fraction": stats["clip_fraction"] * token_weight,
         "entropy": entropy.item(),
     }
     if value is not None:  # only then, so that without a head the loss is exactly what it was
         old_values = None if batch.old_values is None else batch.old_values[batch.mask]
         value_loss = _value_loss(value.head(hidden), batch.returns[batch.mask], old_values, value.clip)
+        if token_weight != 1.0:
+            value_loss = value_loss * token_weight
         loss = loss + value.coef * value_loss
         parts["value_loss"] = value_loss.item()
     _check_finite(loss, "loss", where, lambda: "the KL, entropy or value term is not finite")
