@@ -244,6 +244,50 @@ STARTERS: dict[str, Callable[..., Service]] = {"s3": start_s3, "prefect": start_
 # --- idempotent up / down / status over a state dir -------------------------------------------------------
 
 
+# --- talking to the Prefect server, as the UI does (infra/ui_check.py, tests/test_deploy.py)
+
+
+def prefect_api(base: str, path: str, body: dict | None = None):
+    """One REST call to the Prefect API at ``base`` (``PREFECT_API_URL``), retried on 503 as Prefect's own client
+    does: a busy server on 2 shared cores answers 503 while its SQLite database stays locked."""
+    request = urllib.request.Request(f"{base}{path}", data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+    for attempt in range(5):
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or attempt == 4:
+                raise
+            time.sleep(2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str):
+    """``check()``'s first truthy answer, polled every 2 s; OSErrors (404 before an object exists, a refused
+    connection) count as no answer yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            found = check()
+        except OSError:
+            found = None
+        if found:
+            return found
+        time.sleep(2)
+    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def focus_serve(server: Service, folder: Path, store: str) -> subprocess.Popen:
+    """``focus serve --store STORE`` against ``server``, in its own process group, with its Prefect client home and
+    MLflow database under ``folder``."""
+    environ = {**os.environ, **server.env, "PREFECT_HOME": str(folder / ".prefect-client"), "OMP_NUM_THREADS": "1",
+               "MLFLOW_TRACKING_URI": f"sqlite:///{folder / 'mlruns.db'}"}
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--store", store], cwd=folder, env=environ,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
 def load(name: str, state_dir: str | Path) -> Service | None:
     """The recorded service if its process group is still alive; a stale record is removed."""
     path = Path(state_dir).resolve() / name / "service.json"

@@ -19,36 +19,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
-from infra.services import start_prefect
+from infra.services import focus_serve, start_prefect
+from infra.services import prefect_api as api
+from infra.services import wait_for as wait
 
 SMALL = ["env.eval_tasks=3", "model.layers=1", "model.hidden=32", "model.heads=2", "model.intermediate=64",
          "model.vocab_size=400", "bootstrap.demonstrations=12", "bootstrap.epochs=1", "agent.max_turns=5",
          "budget.prompts_per_iteration=2", "budget.group_size_grpo=4", "budget.measure_episodes=8", "ppo.epochs=1"]
-
-
-def api(base: str, path: str, body: dict | None = None):
-    request = urllib.request.Request(f"{base}{path}", data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
-
-
-def wait(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            found = check()
-        except OSError:
-            found = None
-        if found:
-            return found
-        time.sleep(2)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def screenshot(browser: str, url: str, path: Path) -> None:
@@ -71,11 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         server = start_prefect(root / "services")
         base = server.env["PREFECT_API_URL"]
-        environ = {**os.environ, **server.env, "PREFECT_HOME": str(root / "client"), "OMP_NUM_THREADS": "1",
-                   "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlruns.db'}"}
-        serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--store", str(root / "runs")],
-                                   cwd=root, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
+        serving = focus_serve(server, root, str(root / "runs"))
         try:
             deployment = wait(lambda: api(base, "/deployments/name/focus-train/default"), 180, "the deployment")
             flow_run = api(base, f"/deployments/{deployment['id']}/create_flow_run", {"parameters": {
