@@ -36,7 +36,7 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
     """The report's data: one row per run, per (run, evaluated iteration) and per (run, final held-out task)."""
     from flows.compare import compare_rows
 
-    runs, iterations, task_values = [], [], []
+    runs, iterations, task_values, spend = [], [], [], []
     for row in compare_rows(store, name):
         rid = row["run_id"]
         info = store.run_info(rid) or {}
@@ -63,6 +63,9 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
                         critic[iteration][figure].append(float(manifest.figures[figure]))
             if stage == "evaluate":
                 evaluated[iteration] = manifest
+        for iteration in sorted(tokens):  # every iteration's spend, evaluated or not (eval_every > 1)
+            spend.append({**key, "iteration": iteration, **{f"tokens_{k}": tokens[iteration].get(k, 0)
+                                                           for k in TOKEN_KINDS}})
         for iteration in sorted(evaluated):
             spent_so_far = sum(sum(t.values()) for j, t in tokens.items() if j < iteration)
             figures = evaluated[iteration].figures
@@ -76,7 +79,7 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
             table = store.read_table(rid, last, "evaluate", "evaluation")
             for task_id, value in per_task(table).items():
                 task_values.append({**key, "iteration": last, "task_id": task_id, "value": value})
-    return {"name": name, "runs": runs, "iterations": iterations, "tasks": task_values}
+    return {"name": name, "runs": runs, "iterations": iterations, "tasks": task_values, "spend": spend}
 
 
 def merge(data: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +95,8 @@ def merge(data: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
             for r in data["runs"]]
     of = lambda rows: [r for r in rows if (r["env"], r["method"], r["seed"]) in keys]  # noqa: E731
     return {**data, "runs": runs, "iterations": data["iterations"] + of(earlier["iterations"]),
-            "tasks": data["tasks"] + of(earlier["tasks"])}
+            "tasks": data["tasks"] + of(earlier["tasks"]),
+            **({"spend": data["spend"] + of(earlier["spend"])} if "spend" in data and "spend" in earlier else {})}
 
 
 def per_task(evaluation) -> dict[str, float]:
@@ -157,8 +161,9 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         final = [max(rows, key=lambda r: r["iteration"])[value_key] for rows in by_seed.values()]
         area = [float(np.mean([r[value_key] for r in rows])) for rows in by_seed.values()]
         low, high = _t_interval(final)
-        spent = [sum(r[f"tokens_{k}"] for k in TOKEN_KINDS) for rows in by_seed.values() for r in rows
-                 if sum(r[f"tokens_{k}"] for k in TOKEN_KINDS)]
+        # Every iteration's spend where the JSON has it ("spend"; older reports: the evaluated iterations').
+        spend = [r for r in data.get("spend", data["iterations"]) if (r["env"], r["method"]) == (env, method)]
+        spent = [total for r in spend if (total := sum(r[f"tokens_{k}"] for k in TOKEN_KINDS))]
         table.append({"env": env, "method": method, "base_method": base_method.get((env, method)),
                       "seeds": len(final), "final": float(np.mean(final)), "final_low": low, "final_high": high,
                       "auc": float(np.mean(area)), "tokens_per_iteration": float(np.mean(spent)) if spent else 0.0})
@@ -220,6 +225,17 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
     for r in data["runs"]:
         lines.append(f"| {r['run_id']} | {r['status']} | {_num(r['wall_s'])} | {_num(r['cpu_s'])} "
                      f"| {_num(r['compute_s'])} |")
+    if data.get("spend"):
+        by: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+        for r in data["spend"]:
+            by[(r["env"], r["method"], r["iteration"])].append(r)
+        lines += ["", "Generated tokens per iteration by kind (mean over seeds; from the runs' `budget_ledger`): the "
+                  "matched budget.", "", "| env | method | iteration | main | branch | summary | total |",
+                  "|---|---|---|---|---|---|---|"]
+        for (env, method, iteration), rows in sorted(by.items()):
+            kinds = [float(np.mean([r[f"tokens_{k}"] for r in rows])) for k in TOKEN_KINDS]
+            lines.append(f"| {env} | {method} | {iteration} | " + " | ".join(f"{v:,.0f}" for v in kinds)
+                         + f" | {sum(kinds):,.0f} |")
     diagnostics = [r for r in data["iterations"] if "critic_error_before" in r]
     if diagnostics:
         lines += ["", "Critic diagnostics (mean over seeds and iterations): error on branched states before the "

@@ -86,6 +86,12 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
         for e in evaluation:
             per_task.setdefault(e["task_id"], []).append(e["exact_value"])
         assert row["final"] == pytest.approx(np.mean([np.mean(v) for v in per_task.values()]))
+        # The spend of every iteration, from the ledgers: the matched budget, visible.
+        ledgers = sum(sum(store.read_table(rid, i, stage, "budget_ledger").column("tokens").to_pylist())
+                      for i, stage, m in store.committed(rid) if "budget_ledger" in m.tables)
+        spend = [r for r in report["spend"] if (r["env"], r["method"]) == (row["env"], row["method"])]
+        assert [r["iteration"] for r in spend] == [0]
+        assert sum(r["tokens_main"] + r["tokens_branch"] + r["tokens_summary"] for r in spend) == ledgers > 0
     versus = {v["env"]: v for v in report["summary"]["focus_vs_best"]}
     assert set(versus) == {"combination_lock", "lookup_chain"} and all(v["best_baseline"] == "grpo"
                                                                         for v in versus.values())
