@@ -180,10 +180,14 @@ def bootstrap_run(row: dict[str, Any], store_root: str) -> str:
     if store.manifest(row["run_id"], 0, STAGE) is not None:
         return row["run_id"]
     with hold(store, row["run_id"]):
+        started, cpu_started = time.perf_counter(), time.process_time()
         info = store.run_info(row["run_id"])
         cfg = load_config(row["config"], row["overrides"]) if info is None else validate_config(info["config"])
         store.write_run_info(row["run_id"], {"status": "running", "config": config_to_dict(cfg), "store": store.root})
         bootstrap.fn(RunContext(store, row["run_id"], cfg))
+        # The run's own clock starts here (train adds to these), so its wall and CPU seconds include its SFT.
+        store.write_run_info(row["run_id"], {"wall_s": time.perf_counter() - started,
+                                             "cpu_s": time.process_time() - cpu_started})
     return row["run_id"]
 
 

@@ -121,7 +121,8 @@ def _train(ctx: RunContext, info: dict | None) -> str:
              cfg.env.name, artifacts.root)
     try:
         started, cpu_started = time.perf_counter(), time.process_time()
-        cpu_before = float(info.get("cpu_s", 0.0)) if info else 0.0
+        # Wall and CPU seconds add up over the processes that worked on the run (resumes, compare's bootstrap).
+        wall_before, cpu_before = (float(info.get(key, 0.0)) if info else 0.0 for key in ("wall_s", "cpu_s"))
         reference = policy = bootstrap(ctx)
         ctx = ctx.with_budget(budget_tokens(cfg, policy))
         tracker.ctx = ctx
@@ -139,6 +140,7 @@ def _train(ctx: RunContext, info: dict | None) -> str:
             walls[str(i)] = walls.get(str(i), 0.0) + time.perf_counter() - iteration_started
             try:  # bookkeeping, not results: a store that does not answer just now must not end the run
                 artifacts.write_run_info(run_id, {"iteration_wall_s": walls,  # CPU: this process, all its threads
+                                                  "wall_s": wall_before + time.perf_counter() - started,
                                                   "cpu_s": cpu_before + time.process_time() - cpu_started})
             except StoreUnavailable as error:
                 log.warning("run %s: iteration %d's wall and CPU time not recorded (%s)", run_id, i, error)
@@ -148,7 +150,7 @@ def _train(ctx: RunContext, info: dict | None) -> str:
         _publish_curve(ctx)
         tracker.log_iteration(cfg.iterations, {"evaluate": final})
         tracker.finish(policy, "FINISHED")
-        artifacts.write_run_info(run_id, {"status": "finished", "wall_s": time.perf_counter() - started,
+        artifacts.write_run_info(run_id, {"status": "finished", "wall_s": wall_before + time.perf_counter() - started,
                                           "cpu_s": cpu_before + time.process_time() - cpu_started})
     except BaseException:
         artifacts.write_run_info(run_id, {"status": "failed"})
