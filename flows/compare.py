@@ -79,6 +79,10 @@ class CompareSpec(BaseModel):
     def runs(self, envs: list[str] | None = None) -> list[dict[str, Any]]:
         """One row per run (of ``envs`` only, if given): ids, where its config comes from, its overrides and the
         run it starts from."""
+        unknown = sorted(set(envs or ()) - set(self.envs))
+        if unknown:
+            raise ConfigError(f"compare spec {self.name}: no environment {', '.join(unknown)} in it (fix: one of "
+                              f"{', '.join(self.envs)})")
         rows = []
         for env, config in self.envs.items():
             if envs is not None and env not in envs:
@@ -264,11 +268,8 @@ def run_compare(spec_path: str, store: str | None = None, workers: int = 2, dask
     """``focus compare``: the flow on a local Dask cluster of ``workers`` processes, or on ``dask_address``."""
     from flows.tracking import PARENT_RUN_ENV, compare_parent_run
 
-    spec = load_spec(spec_path)  # fail fast, before a cluster starts
-    unknown = sorted(set(envs or ()) - set(spec.envs))
-    if unknown:
-        raise ConfigError(f"compare spec {spec_path}: no environment {', '.join(unknown)} in it (fix: one of "
-                          f"{', '.join(spec.envs)})")
+    spec = load_spec(spec_path)  # fail fast, before a cluster starts: the spec, and the part of it asked for
+    spec.runs(envs)
     runner = DaskTaskRunner(address=dask_address) if dask_address else local_cluster(workers)
     parent = compare_parent_run(spec.name, spec.model_dump())
     if parent:  # workers inherit the environment: each training run becomes the parent's child

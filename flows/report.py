@@ -91,8 +91,8 @@ def merge(data: dict[str, Any], earlier: dict[str, Any]) -> dict[str, Any]:
     finished = {r["run_id"] for r in data["runs"] if r["status"] == "finished"}
     taken = {r["run_id"] for r in earlier["runs"] if r["status"] == "finished" and r["run_id"] not in finished}
     keys = {(r["env"], r["method"], r["seed"]) for r in earlier["runs"] if r["run_id"] in taken}
-    runs = [next(e for e in earlier["runs"] if e["run_id"] == r["run_id"]) if r["run_id"] in taken else r
-            for r in data["runs"]]
+    by_id = {r["run_id"]: r for r in earlier["runs"]}
+    runs = [by_id[r["run_id"]] if r["run_id"] in taken else r for r in data["runs"]]
     of = lambda rows: [r for r in rows if (r["env"], r["method"], r["seed"]) in keys]  # noqa: E731
     return {**data, "runs": runs, "iterations": data["iterations"] + of(earlier["iterations"]),
             "tasks": data["tasks"] + of(earlier["tasks"]),

@@ -255,34 +255,22 @@ def policy_update(
                     parts = dict.fromkeys(("policy_loss", "kl", "clip_fraction", "entropy"), 0.0)
                     parts |= {"value_loss": 0.0} if value is not None else {}
                     loss = torch.zeros(())
-                if data_parallel is not None:
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        data_parallel.all_reduce(p.grad, "sum")
-                    summed = torch.tensor([loss.item(), *parts.values()], dtype=torch.float64)
-                    data_parallel.all_reduce(summed, "sum")
-                    loss_value, parts = summed[0].item(), dict(zip(parts, summed[1:].tolist(), strict=True))
-                else:
-                    loss_value = loss.item()
-                measured = torch.zeros(2, dtype=torch.float64)  # the on-policy gap (max) and the KL before the step
+                gap_now, kl_before = 0.0, 0.0  # the on-policy gap (first step) and the KL before the step
                 if new is not None:
                     with torch.no_grad():
-                        measured[0] = (new - batch.old)[batch.mask].abs().max().item() if step == 0 else 0.0
-                        measured[1] = kl_k3(batch.old, new, batch.mask).item() * token_weight
+                        gap_now = (new - batch.old)[batch.mask].abs().max().item() if step == 0 else 0.0
+                        kl_before = kl_k3(batch.old, new, batch.mask).item() * token_weight
+                figures = {"loss": loss.item(), **parts, "kl_before": kl_before}
                 if data_parallel is not None:
-                    gap_part, kl_part = measured[:1].clone(), measured[1:].clone()
-                    data_parallel.all_reduce(gap_part, "max")
-                    data_parallel.all_reduce(kl_part, "sum")
-                    measured = torch.cat([gap_part, kl_part])
+                    figures, gap_now = _reduce_over_processes(data_parallel, params, figures, gap_now)
                 if step == 0:
-                    gap = measured[0].item()
+                    gap = gap_now
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
                 _check_finite(grad_norm, "gradient norm", where, lambda: "the backward pass produced inf/NaN")
                 optimizer.step()
 
-                approx_kls.append(measured[1].item())
-                row = {"epoch": epoch, "step": step, "loss": loss_value, **parts}
+                approx_kls.append(figures.pop("kl_before"))
+                row = {"epoch": epoch, "step": step, **figures}
                 row.update(grad_norm=grad_norm.item(), lr=config.lr)
                 rows.append(row)
                 if progress:
@@ -541,6 +529,21 @@ def _teacher_forced(
         for row, i in enumerate(chosen):
             out[i][1:] = values[row, : len(data[i][0]) - 1]
     return out
+
+
+def _reduce_over_processes(data_parallel: DataParallel, params: list[torch.nn.Parameter], figures: dict[str, float],
+                           gap: float) -> tuple[dict[str, float], float]:
+    """Sum the processes' gradients (one flat all-reduce) and their shares of the step's figures; the largest gap."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    data_parallel.all_reduce(flat, "sum")
+    for p, chunk in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = chunk.view_as(p).clone()
+    summed = torch.tensor(list(figures.values()), dtype=torch.float64)
+    data_parallel.all_reduce(summed, "sum")
+    largest = torch.tensor([gap], dtype=torch.float64)
+    data_parallel.all_reduce(largest, "max")
+    return dict(zip(figures, summed.tolist(), strict=True)), largest.item()
 
 
 def _minibatch_loss(
