@@ -79,9 +79,10 @@ _MANIFEST_PATH = re.compile(rf"/iteration=(?P<iteration>\d+)/(?P<stage>{_NAME.pa
 _VOLATILE_FIELDS = ("created_at", "timings")
 
 # botocore settings for S3 clients: fail fast on a dead endpoint; retry throttling, 5xx and refused or reset
-# connections with backoff (standard mode: about 1 + 2 + 4 + 8 s at most); longer outages are left to the stages'
+# connections with backoff (standard mode, 3 attempts: a dead store fails within seconds); longer outages
+# are left to the stages'
 # Prefect retries (tasks/stage.py). s3fs adds its own retries of timeouts and broken reads (`retries` below).
-_S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 5, "mode": "standard"}}
+_S3_CLIENT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}}
 _S3_FIX = "start it with `python -m infra.services up s3` or fix AWS_ENDPOINT_URL"
 
 
