@@ -44,6 +44,10 @@ QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "MLFLOW_LOGGING_LEVEL": "WARNING",  # no INFO lines about creating and migrating mlruns.db
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # Runs started together share PREFECT_HOME's sqlite database through their own ephemeral APIs; its lock
+    # contention prints server tracebacks that Prefect retries past (PrefectHQ/prefect#18934). A server fault
+    # that matters still reaches the run as a client error.
+    "PREFECT_SERVER_LOGGING_LEVEL": "CRITICAL",
     # The ephemeral Prefect API starts in 4-9 s on an idle machine; allow for a loaded one.
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
 }

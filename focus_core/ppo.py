@@ -145,11 +145,14 @@ class DataParallel:
     summed over the processes before clipping, so every process takes the same step: the update equals the
     single-process one up to float summation order. ``all_reduce(tensor, op)`` reduces in place over the
     processes, ``op`` "sum" or "max" (``accelerate``'s ``Accelerator.reduce``, or ``torch.distributed``).
+    ``close()`` waits for every process and ends the process group; call it before the process exits (a gloo
+    group still alive at exit aborts the process: "terminate called without an active exception").
     """
 
     rank: int
     world: int
     all_reduce: Callable[[torch.Tensor, str], None]
+    close: Callable[[], None] = lambda: None
 
 
 def accelerate_data_parallel() -> DataParallel | None:
@@ -163,7 +166,13 @@ def accelerate_data_parallel() -> DataParallel | None:
     import torch.distributed as dist
 
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-    return DataParallel(state.process_index, state.num_processes, lambda tensor, op: dist.all_reduce(tensor, ops[op]))
+
+    def close() -> None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+    return DataParallel(state.process_index, state.num_processes, lambda tensor, op: dist.all_reduce(tensor, ops[op]),
+                        close)
 
 
 def policy_update(

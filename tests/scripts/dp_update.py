@@ -53,3 +53,5 @@ if __name__ == "__main__":
     if data_parallel.rank == 0:
         torch.save({"state": model.state_dict(), "rows": report.rows, "gap": report.behaviour_logprob_gap,
                     "approx_kl": report.approx_kl}, out)
+    # Regression: without it, the process that finished first sometimes aborted at exit (gloo threads alive).
+    data_parallel.close()
