@@ -156,8 +156,10 @@ def check_existing(store: ArtifactStore, rows: list[dict[str, Any]]) -> None:
             continue
         init = [f"bootstrap.init_from={row['init_from']}"] if row["init_from"] else []
         wanted = config_to_dict(load_config(row["config"], [*row["overrides"], *init]))
-        if wanted != info["config"]:
-            differ = sorted(k for k in set(wanted) | set(info["config"]) if wanted.get(k) != info["config"].get(k))
+        # validated again, so a section added since the run started holds its default (as a resume reads it)
+        existing = config_to_dict(validate_config(info["config"]))
+        if wanted != existing:
+            differ = sorted(k for k in set(wanted) | set(existing) if wanted.get(k) != existing.get(k))
             raise ConfigError(f"run {row['run_id']} exists in {store.root} with other settings ({', '.join(differ)}); "
                               f"fix: another spec name or run_prefix, or delete that run")
 

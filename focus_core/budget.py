@@ -14,8 +14,10 @@ cap generation at ``remaining`` so the actual charge always fits.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -122,6 +124,20 @@ class BudgetLedger:
             return False
         self.charge(kind, tokens, round_idx=round_idx)
         return True
+
+    def split(self, weights: Sequence[float]) -> list[BudgetLedger]:
+        """What is left, in whole-token parts proportional to ``weights`` that add up to ``remaining``: the
+        ledgers of a stage's shards (``tasks/fanout.py``), none of which can overspend its part."""
+        if not weights or min(weights) < 0 or sum(weights) <= 0:
+            raise ValueError(f"split: weights must be >= 0 with a positive sum, got {list(weights)}")
+        cumulative = np.cumsum(np.asarray(weights, dtype=float)) / float(sum(weights))
+        edges = [0, *(int(round(self.remaining * c)) for c in cumulative[:-1]), self.remaining]
+        return [BudgetLedger(high - low) for low, high in itertools.pairwise(edges)]
+
+    def absorb(self, part: BudgetLedger) -> None:
+        """Charge here what ``part`` recorded, round by round and kind by kind (a shard's ledger coming back)."""
+        for (round_idx, kind), tokens in part._charged.items():
+            self.charge(kind, tokens, round_idx=round_idx)
 
     def rows(self, *, run_id: str, iteration: int, policy_version: int) -> list[dict]:
         """Records for the ``budget_ledger`` table: one per (round, kind) that was charged."""

@@ -260,6 +260,18 @@ class BootstrapConfig(_Section):
     )
 
 
+class FanoutConfig(_Section):
+    """How the generating stages (rollout, branch, evaluate) split their episodes: shards on a Prefect task runner
+    (``tasks/fanout.py``). Part of no stage's version: a sharded stage writes the tables of the serial one."""
+
+    shards: int = Field(1, ge=1, description="episode shards per generating stage (1: played in the stage itself)")
+    runner: Literal["threads", "dask"] = Field(
+        "dask", description="threads: in the stage's process; dask: Dask workers (prefect-dask)")
+    dask_address: str | None = Field(
+        None, description="an existing Dask scheduler (tcp://host:8786); null: a local cluster of dask_workers")
+    dask_workers: int = Field(2, ge=1, description="processes of the local Dask cluster (one thread each)")
+
+
 class PPOConfig(_Section):
     """Clipped policy update (method.md §2, §3.2, §9.6)."""
 
@@ -314,6 +326,7 @@ class FocusConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    fanout: FanoutConfig = Field(default_factory=FanoutConfig)
 
     @model_validator(mode="before")
     @classmethod

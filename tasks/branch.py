@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
 from focus_core.budget import BudgetLedger
 from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
 from focus_core.schemas import content_id, schema_for
+from tasks.fanout import play
 from tasks.inputs import env_factory, policy_at, read, spent_tokens, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
@@ -40,6 +40,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     counts = plan.column("continuations").to_numpy()
     chosen = [(state, int(n)) for state, n in zip(plan.column("state_id").to_pylist(), counts, strict=True) if n]
     state_ids = [state for state, n in chosen for _ in range(n)]
+    estimates = dict(zip(plan.column("state_id").to_pylist(), plan.column("cost_estimate").to_pylist(), strict=True))
     index = [k for _, n in chosen for k in range(n)]
     policy = policy_at(ctx, policy_manifest)
     by_id = {t.task_id: t for split in ("train", "heldout") for t in tasks(ctx, split)} if chosen else {}
@@ -48,8 +49,12 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     ledger = BudgetLedger(max(0, ctx.budget - spent_tokens(ctx, charged)))
     seed = ctx.seed(iteration, stage_name(round_idx))
     with GenerationBar(f"it {iteration} branches r{round_idx}", len(starts), unit="branch") as bar:
-        episodes = AgentRunner(policy, env_factory(ctx), cfg.agent).run(
-            starts=starts, seed=seed, ledger=ledger, kind="branch", round_idx=round_idx, progress=bar.callback())
+        # A state's continuations: samples 0, 1, ... of the state's seed, whichever shard plays them.
+        seeds = [(ctx.seed(iteration, stage_name(round_idx), s.state_id), k)
+                 for s, k in zip(starts, index, strict=True)]
+        episodes = play(ctx, policy_manifest, policy, cfg.agent, starts=starts, episode_seeds=seeds, seed=seed,
+                        ledger=ledger, costs=[estimates[s] for s in state_ids], kind="branch", round_idx=round_idx,
+                        progress=bar.callback())
     branches = [branch_id(s.state_id, round_idx, k) for s, k in zip(starts, index, strict=True)]
     ids = [episode_id(ctx.run_id, iteration, s.task.task_id, "branch", s.state_id, round_idx, k)
            for s, k in zip(starts, index, strict=True)]

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
 from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
+from tasks.fanout import play
 from tasks.inputs import env_factory, policy_at, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
@@ -44,9 +44,10 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     policy = policy_at(ctx, policy_manifest)
     chosen = eval_tasks(ctx)
     agent = cfg.agent.model_copy(update={"temperature": cfg.env.eval_temperature})
+    seed = ctx.seed(0, STAGE, "sampling")  # every iteration the same draws: common random numbers
     with GenerationBar(f"it {iteration} evaluation", len(chosen)) as bar:
-        episodes = AgentRunner(policy, env_factory(ctx), agent).run(
-            chosen, seed=ctx.seed(0, STAGE, "sampling"), progress=bar.callback())
+        episodes = play(ctx, policy_manifest, policy, agent, tasks=chosen, seed=seed, progress=bar.callback(),
+                        episode_seeds=[(ctx.seed(0, STAGE, "sampling", t.task_id), 0) for t in chosen])
     n = len(episodes)
     exact = None
     env = env_factory(ctx)()

@@ -25,14 +25,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from focus_core.agent.harness import AgentRunner
 from focus_core.artifacts import Manifest
 from focus_core.budget import BudgetLedger
 from focus_core.config import FocusConfig
 from focus_core.envs.base import Task
 from focus_core.rollouts import episode_id, episode_tables
 from focus_core.schemas import content_id, schema_for
-from tasks.inputs import env_factory, policy_at, tasks
+from tasks.fanout import play
+from tasks.inputs import policy_at, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
@@ -48,12 +48,14 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     order = [train[i] for i in np.random.default_rng(seed).permutation(len(train))]
     group = cfg.main_group_size
     ledger = BudgetLedger(ctx.budget)
-    runner = AgentRunner(policy, env_factory(ctx), cfg.agent)
     batch, episodes, group_costs = [], [], []
     with GenerationBar(f"it {iteration} rollouts") as bar:
         for wave, chosen in enumerate(_waves(cfg, order, ledger, group_costs)):
             wave_tasks = [t for t in chosen for _ in range(group)]
-            played = runner.run(wave_tasks, seed=seed + wave, ledger=ledger, progress=bar.callback())
+            # A task's group: samples 0..G-1 of the task's seed, whichever wave or shard plays it.
+            seeds = [(ctx.seed(iteration, STAGE, t.task_id), k % group) for k, t in enumerate(wave_tasks)]
+            played = play(ctx, policy_manifest, policy, cfg.agent, tasks=wave_tasks, episode_seeds=seeds,
+                          seed=seed + wave, ledger=ledger, progress=bar.callback())
             group_costs += [sum(e.generated_tokens for e in played[k:k + group])
                             for k in range(0, len(played), group)]
             batch += wave_tasks

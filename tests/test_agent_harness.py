@@ -188,6 +188,23 @@ def test_branches_from_one_state_share_one_generate_call(policy):
     assert calls == [(1, 5)]
 
 
+def test_an_episode_samples_the_same_tokens_whatever_shares_its_batches(policy):
+    # What lets a stage split its episodes over workers (tasks/fanout.py): each episode draws from its own
+    # (seed, index), so a group split in two, or played beside other episodes, samples the same messages.
+    runner = AgentRunner(policy, LookupEnv, AgentConfig(max_turns=4, max_action_tokens=12, compress_every_turns=2))
+    first, second = LookupEnv().tasks("train")[:2]
+    together = runner.run([first, first, first, second], episode_seeds=[(11, 0), (11, 1), (11, 2), (12, 0)])
+    apart = (runner.run([first, second], episode_seeds=[(11, 0), (12, 0)])
+             + runner.run([first, first], episode_seeds=[(11, 1), (11, 2)]))
+    apart = [apart[0], apart[2], apart[3], apart[1]]
+    for mine, theirs in zip(together, apart, strict=True):
+        assert [t.token_ids for t in mine.turns] == [t.token_ids for t in theirs.turns]
+        np.testing.assert_allclose([x for t in mine.turns for x in t.logprobs],
+                                   [x for t in theirs.turns for x in t.logprobs], atol=1e-5)
+    # the three samples of seed 11 differ from each other (not one stream copied)
+    assert len({tuple(x for t in e.turns for x in t.token_ids) for e in together[:3]}) == 3
+
+
 def test_ledger_is_charged_every_token_and_never_exceeded(policy):
     from focus_core.budget import BudgetLedger
 

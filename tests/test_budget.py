@@ -184,3 +184,30 @@ def test_a_plan_priced_from_few_costs_overspends_rarely_with_the_price_error_cou
         spend = rng.gamma(shape, np.repeat(truth, counts) / shape).sum()
         overspent += spend > budget
     assert overspent / 2000 < 0.05
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 100_000), st.integers(0, 5_000),
+       st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=6).filter(lambda w: sum(w) > 0))
+def test_split_parts_add_up_to_what_is_left_and_absorb_restores_the_charges(budget, spent, weights):
+    # The shards of a stage (tasks/fanout.py) together can spend exactly what the stage's ledger had left.
+    ledger = BudgetLedger(budget + spent)
+    ledger.charge("main", spent)
+    parts = ledger.split(weights)
+    assert [p.budget >= 0 for p in parts] == [True] * len(weights)
+    assert sum(p.budget for p in parts) == ledger.remaining == budget
+    for k, (part, weight) in enumerate(zip(parts, weights, strict=True)):
+        assert abs(part.budget - budget * weight / sum(weights)) <= 1  # proportional, up to rounding
+        part.charge("branch", part.budget // 2, round_idx=k % 2)
+        part.charge("summary", part.remaining // 3, round_idx=k % 2)
+    for part in parts:
+        ledger.absorb(part)
+    assert ledger.spent == spent + sum(p.spent for p in parts)
+    assert ledger.by_kind["branch"] == sum(p.by_kind["branch"] for p in parts)
+
+
+def test_split_worked_example_and_bad_weights():
+    ledger = BudgetLedger(10)
+    assert [p.budget for p in ledger.split([1, 1, 1])] == [3, 4, 3]
+    with pytest.raises(ValueError, match="weights"):
+        ledger.split([0, 0])

@@ -129,6 +129,11 @@ def test_per_prompt_seeds_make_samples_independent_of_the_batch(policy, prompts)
     # Sample j draws from (seed, j): asking for more samples keeps the first ones.
     more = policy.generate([long], n=6, max_new_tokens=24, stop_token_ids=set(), seed=[42])
     assert [g.token_ids for g in more[0][:4]] == [g.token_ids for g in alone[0]]
+    # first_sample: samples 2 and 3 of a seed drawn apart from 0 and 1 (how a shard holds part of a group).
+    tail = policy.generate([long, short], n=2, max_new_tokens=24, stop_token_ids=set(), seed=[42, 7],
+                           first_sample=[2, 0])
+    assert [g.token_ids for g in tail[0]] == [g.token_ids for g in alone[0][2:]]
+    assert [g.token_ids for g in tail[1]] == [g.token_ids for g in batched[0][:2]]
 
 
 def test_stop_tokens_end_generations(policy, prompts):
@@ -196,6 +201,8 @@ def test_context_limit(policy, prompts):
         policy.generate([[5] * limit], max_new_tokens=1)
     with pytest.raises(ValueError, match="seeds"):
         policy.generate([long], max_new_tokens=1, seed=[1, 2])
+    with pytest.raises(ValueError, match="first_sample"):
+        policy.generate([long], max_new_tokens=1, seed=1, first_sample=[1])
 
 
 # ---------------------------------------------------------------------- tokenizer

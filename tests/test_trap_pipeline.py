@@ -56,7 +56,8 @@ class FixedActor:
     def __init__(self, tokenizer, messages: list[str]):
         self.tokenizer, self.messages = tokenizer, list(messages)
 
-    def generate(self, prompts, *, n=1, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=None, seed=0):
+    def generate(self, prompts, *, n=1, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=None, seed=0,
+                 first_sample=None):
         assert len(prompts) == 1 and n == 1
         ids = self.tokenizer.encode(self.messages.pop(0), add_special_tokens=False)
         return [[ScriptedGeneration(ids + [self.tokenizer.convert_tokens_to_ids(END)], [0.0] * (len(ids) + 1))]]

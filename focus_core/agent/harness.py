@@ -143,7 +143,7 @@ class Actor(Protocol):
     tokenizer: Any
 
     def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_token_ids: set[int] | None = None, seed: int = 0
+                 top_p: float = 1.0, stop_token_ids: set[int] | None = None, seed: int | Sequence[int] = 0
                  ) -> list[list[Generation]]: ...
 
 
@@ -187,6 +187,9 @@ class _Active:
     history: list[tuple[str, str]] = field(default_factory=list)  # (action, observation)
     notes: list[str] = field(default_factory=list)
     summarizing: bool = False
+    seed: int = 0  # the episode's sampling seed and its sample index under it (``AgentRunner.run``)
+    sample: int = 0
+    sampled: int = 0  # messages generated so far: with ``seed``, the seed of the next one
 
 
 class AgentRunner:
@@ -234,9 +237,18 @@ class AgentRunner:
     # -- running ------------------------------------------------------------------------------
 
     def run(self, tasks: Sequence[Task] = (), *, starts: Sequence[SegmentStart] = (), seed: int = 0,
+            episode_seeds: Sequence[tuple[int, int]] | None = None,
             progress: Callable[[RunProgress], None] | None = None, ledger: BudgetLedger | None = None,
             kind: str = "main", round_idx: int = 0) -> list[AgentEpisode]:
         """Play one episode per task from its initial state, and one continuation per given start.
+
+        Each episode samples from its ``episode_seeds`` entry, a pair (seed, index): its messages are samples
+        ``index`` of seeds derived from ``seed`` and the message count. By default the episodes that start
+        from one context are indices 0, 1, ... of a seed derived from ``seed`` and the first one's position.
+        So an episode draws the same tokens whichever other episodes share its batches: a stage may split its
+        episodes over workers (``tasks/fanout.py``) and still write the serial tables. Episodes with one seed
+        and the same prompt (a state's continuations, a task's group at its first turn) are drawn together,
+        n samples of one prefix.
 
         With a ``ledger``, every generated token is charged to it (actions as ``kind``, compression
         summaries as ``summary``) and the budget is never exceeded, without reserving more than the tokens
@@ -249,6 +261,17 @@ class AgentRunner:
             active.append(self._begin(self.initial_state(task, env), env, None))
         for start in starts:
             active.append(self._begin(start, self.env_factory(), start))
+        if episode_seeds is None:  # episodes that start from one context: samples 0, 1, ... of one seed
+            first: dict[tuple[int, ...], list[int]] = {}  # context -> [first position, episodes so far]
+            episode_seeds = []
+            for k, a in enumerate(active):
+                seen = first.setdefault(tuple(a.ids), [k, 0])
+                episode_seeds.append((mix_seed(seed, seen[0]), seen[1]))
+                seen[1] += 1
+        if len(episode_seeds) != len(active):
+            raise ValueError(f"episode_seeds: got {len(episode_seeds)} for {len(active)} episodes; give one each")
+        for a, (episode_seed, index) in zip(active, episode_seeds, strict=True):
+            a.seed, a.sample = int(episode_seed), int(index)
         episodes = [a.episode for a in active]
         step = 0
 
@@ -259,11 +282,10 @@ class AgentRunner:
         while active:
             for a in active:
                 self._maybe_start_compression(a)
-            step_seed = seed * 100_003 + step
             if ledger is None:
-                self._generate(active, seed=step_seed)
+                self._generate(active)
             else:
-                self._step_within_budget(active, ledger, step_seed, kind, round_idx)
+                self._step_within_budget(active, ledger, mix_seed(seed, step), kind, round_idx)
             active = [a for a in active if not (a.episode.done or a.episode.truncated)]
             step += 1
             report(len(episodes) - len(active))
@@ -276,7 +298,7 @@ class AgentRunner:
                             round_idx: int) -> None:
         """One step of every active episode, paid from ``ledger`` without ever overspending it.
 
-        Episodes go in a random order (seeded). Each sub-batch is the longest run of that order whose
+        Episodes go in a random order (``seed``). Each sub-batch is the longest run of that order whose
         worst case (``max_action_tokens`` each) fits what is left; the ledger is then charged what was
         actually generated, so the next sub-batch sees the true remainder — a reservation never
         outlives its sub-batch. Once not even one worst case fits, the next episode generates alone
@@ -287,7 +309,6 @@ class AgentRunner:
             order = list(active)  # the whole step fits: generate it as an unbudgeted run would
         else:
             order = [active[i] for i in np.random.default_rng(seed).permutation(len(active))]
-        sub_batch = 0
         while order:
             take, worst = 0, 0
             while take < len(order) and worst + self._step_tokens(order[take]) <= ledger.remaining:
@@ -302,8 +323,7 @@ class AgentRunner:
                 take, cap = 1, ledger.remaining
             batch, order = order[:take], order[take:]
             before = [(a.episode.generated_tokens, a.summarizing) for a in batch]
-            self._generate(batch, seed=seed if sub_batch == 0 else seed * 31 + sub_batch, cap=cap)
-            sub_batch += 1
+            self._generate(batch, cap=cap)
             for a, (tokens, summary) in zip(batch, before, strict=True):
                 spent = a.episode.generated_tokens - tokens
                 ledger.charge("summary" if summary else kind, spent, round_idx=round_idx)
@@ -336,7 +356,7 @@ class AgentRunner:
                                           a.segment_idx, a.turn_idx))
         a.summarizing = True
 
-    def _generate(self, active: list[_Active], seed: int, cap: int | None = None) -> None:
+    def _generate(self, active: list[_Active], cap: int | None = None) -> None:
         if isinstance(self.actor, ScriptedActor):  # the expert reads the task and history, not tokens
             for a in active:
                 sample = self.actor.respond(a.env, a.episode.task, a.history, a.notes, a.summarizing)
@@ -344,26 +364,37 @@ class AgentRunner:
                     sample = type(sample)(sample.token_ids[:cap], sample.logprobs[:cap])
                 self._consume(a, sample)
             return
-        # Identical prompts (continuations from one state) are generated together: one prefix, n samples.
-        groups: dict[tuple[int, ...], list[_Active]] = {}
+        # Episodes drawn together: the same prompt, seed and message count, consecutive sample indices — the
+        # continuations of one state, a task's group at its first turn. One prefix, n samples.
+        keyed: dict[tuple, list[_Active]] = {}
         for a in active:
-            groups.setdefault(tuple(a.ids), []).append(a)
-        by_budget: dict[int, list[tuple[int, ...]]] = {}
-        for prompt, members in groups.items():
-            budget = self.config.max_summary_tokens if members[0].summarizing else self.config.max_action_tokens
+            keyed.setdefault((tuple(a.ids), a.seed, a.sampled), []).append(a)
+        groups: list[list[_Active]] = []
+        for members in keyed.values():
+            members.sort(key=lambda a: a.sample)
+            run = [members[0]]
+            for a in members[1:]:
+                if a.sample == run[-1].sample + 1:
+                    run.append(a)
+                else:
+                    groups.append(run)
+                    run = [a]
+            groups.append(run)
+        by_size: dict[tuple[int, int], list[list[_Active]]] = {}
+        for group in groups:
+            budget = self.config.max_summary_tokens if group[0].summarizing else self.config.max_action_tokens
             budget = budget if cap is None else min(budget, cap)
-            by_budget.setdefault(budget, []).append(prompt)
-        for budget, prompts in by_budget.items():
-            # Generate per group size so every group gets exactly as many samples as it has members.
-            for n in sorted({len(groups[p]) for p in prompts}):
-                batch = [p for p in prompts if len(groups[p]) == n]
-                outputs = self.actor.generate(
-                    [list(p) for p in batch], n=n, max_new_tokens=budget, temperature=self.config.temperature,
-                    top_p=self.config.top_p, stop_token_ids=self.stop_ids, seed=seed,
-                )
-                for prompt, samples in zip(batch, outputs, strict=True):
-                    for a, sample in zip(groups[prompt], samples, strict=True):
-                        self._consume(a, sample)
+            by_size.setdefault((budget, len(group)), []).append(group)
+        # One call per (token budget, group size), so every group gets exactly as many samples as it has members.
+        for (budget, n), batch in sorted(by_size.items()):
+            outputs = self.actor.generate(
+                [g[0].ids for g in batch], n=n, max_new_tokens=budget, temperature=self.config.temperature,
+                top_p=self.config.top_p, stop_token_ids=self.stop_ids,
+                seed=[mix_seed(g[0].seed, g[0].sampled) for g in batch], first_sample=[g[0].sample for g in batch],
+            )
+            for group, samples in zip(batch, outputs, strict=True):
+                for a, sample in zip(group, samples, strict=True):
+                    self._consume(a, sample)
 
     def _consume(self, a: _Active, sample: Generation) -> None:
         text = self.actor.tokenizer.decode(sample.token_ids, skip_special_tokens=True).strip()
@@ -371,6 +402,7 @@ class AgentRunner:
                             list(sample.logprobs), [1] * len(sample.token_ids), a.segment_idx, a.turn_idx,
                             is_compression=a.summarizing)
         a.episode.turns.append(record)
+        a.sampled += 1
         a.messages.append({"role": "assistant", "content": text})
         a.ids += list(sample.token_ids)
         # Template tokens after the message: what follows an end token ("\n" in ChatML), or the end
@@ -432,6 +464,13 @@ class AgentRunner:
 
     def _context_limit(self) -> int:
         return getattr(self.actor, "max_context", 1 << 30)
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A 63-bit seed from (seed, index), the same in every process: episode ``index``'s seed of a ``run(seed=...)``,
+    and an episode's seed for its ``index``-th message."""
+    digest = hashlib.blake2b(f"focus.episode:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def summarize_notes(notes: Sequence[str], history: Sequence[tuple[str, str]]) -> str:

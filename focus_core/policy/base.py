@@ -61,14 +61,16 @@ class Policy(Protocol):
         top_p: float = 1.0,
         stop_token_ids: set[int] | None = None,
         seed: int | Sequence[int] = 0,
+        first_sample: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         """``n`` samples per prompt: ``result[i][j]`` is sample ``j`` of ``prompts[i]``.
 
         ``temperature=0`` is greedy decoding. ``stop_token_ids=None`` means ``self.stop_token_ids``; pass an
         empty set to disable stopping. A generation ends at its first stop token, which it includes.
         Deterministic for a seed: sample ``j`` of prompt ``i`` draws its randomness from ``(seed, i, j)``, or from
-        ``(seed[i], j)`` when ``seed`` is one integer per prompt, so it does not depend on the other prompts in
-        the batch (up to float rounding of the batched forward).
+        ``(seed[i], first_sample[i] + j)`` when ``seed`` is one integer per prompt (``first_sample`` default 0),
+        so it does not depend on the other prompts in the batch (up to float rounding of the batched forward),
+        and samples 2 and 3 of a seed can be drawn apart from samples 0 and 1.
         """
         ...
 
@@ -104,3 +106,16 @@ def check_sampling_arguments(prompts: Sequence[Sequence[int]], n: int, max_new_t
                 f"generate: prompt {i} has {len(prompt)} tokens; it needs 1 to {max_context - 1} "
                 f"(max_context={max_context} leaves room for at least one new token)"
             )
+
+
+def check_seeds(seed: int | Sequence[int], first_sample: Sequence[int] | None, prompts: int) -> list[int]:
+    """``first_sample`` per prompt (zeros when None), after checking ``seed`` and it against the prompt count."""
+    if not isinstance(seed, int) and len(seed) != prompts:
+        raise ValueError(f"seed: got {len(seed)} seeds for {prompts} prompts; pass one int or one per prompt")
+    if first_sample is None:
+        return [0] * prompts
+    if isinstance(seed, int):
+        raise ValueError("first_sample: only with one seed per prompt (seed=[...])")
+    if len(first_sample) != prompts or min(first_sample, default=0) < 0:
+        raise ValueError(f"first_sample: got {list(first_sample)[:8]} for {prompts} prompts; give one index >= 0 each")
+    return [int(first) for first in first_sample]

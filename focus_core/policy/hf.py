@@ -54,7 +54,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from focus_core.policy.base import Generation, check_sampling_arguments
+from focus_core.policy.base import Generation, check_sampling_arguments, check_seeds
 from focus_core.policy.tokenizer import end_of_turn_ids
 
 # Written next to the Hugging Face files of a checkpoint; carries what HF's own files don't.
@@ -116,18 +116,18 @@ class HFPolicy:
         top_p: float = 1.0,
         stop_token_ids: set[int] | None = None,
         seed: int | Sequence[int] = 0,
+        first_sample: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         self._check_sampling(prompts, n, max_new_tokens, temperature, top_p)
         seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"seed: got {len(seeds)} seeds for {len(prompts)} prompts; pass one int or one per prompt")
+        firsts = check_seeds(seed, first_sample, len(prompts))
         stops = self._stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
         stop_tensor = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         # Row r of the decode batch is sample r % n of prompt r // n.
         lengths = torch.tensor([len(p) for p in prompts], device=self.device).repeat_interleave(n)
         budget = torch.clamp(self.max_context - lengths, max=max_new_tokens)  # new tokens each row may add
         generators = [
-            torch.Generator().manual_seed(_row_seed(seeds[i], i if isinstance(seed, int) else None, j))
+            torch.Generator().manual_seed(_row_seed(seeds[i], i if isinstance(seed, int) else None, firsts[i] + j))
             for i in range(len(prompts))
             for j in range(n)
         ]

@@ -57,7 +57,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from focus_core.policy.base import FinishReason, Generation, check_sampling_arguments
+from focus_core.policy.base import FinishReason, Generation, check_sampling_arguments, check_seeds
 from focus_core.policy.hf import METADATA_FILE, read_version
 from focus_core.policy.tokenizer import end_of_turn_ids
 
@@ -167,14 +167,14 @@ class VLLMPolicy:
         top_p: float = 1.0,
         stop_token_ids: set[int] | None = None,
         seed: int | Sequence[int] = 0,
+        first_sample: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         self._check_sampling(prompts, n, max_new_tokens, temperature, top_p)
+        firsts = check_seeds(seed, first_sample, len(prompts))
         if isinstance(seed, int):
             request_seeds = [request_seed(seed, i) for i in range(len(prompts))]
-        else:
-            if len(seed) != len(prompts):
-                raise ValueError(f"seed: got {len(seed)} seeds for {len(prompts)} prompts; pass one int or one each")
-            request_seeds = [request_seed(s, None) for s in seed]
+        else:  # vLLM seeds child j with seed + j, so sample first + j of a seed starts at seed + first
+            request_seeds = [request_seed(s, None) + first for s, first in zip(seed, firsts, strict=True)]
         stops = self._stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
         # vLLM rejects n > 1 with greedy decoding (the samples would be identical): ask once, copy n times.
         asked = 1 if temperature == 0 else n

@@ -1,0 +1,70 @@
+"""Fan-out inside a stage (tasks/fanout.py): where shards are cut, and a run whose generating stages play their
+episodes on a real local Dask cluster of 2 workers committing the tables of the same run played serially."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from focus_core.artifacts import ArtifactStore
+from tasks.fanout import shard_bounds
+from tests.test_pipeline import TABLES, focus, table_rows, write_config
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 8))
+def test_shards_are_contiguous_cover_everything_and_cut_where_the_seed_changes(runs, shards):
+    seeds = [seed for k, seed in enumerate(runs) for _ in range(1 + k % 3)]  # runs of one seed, like groups
+    bounds = shard_bounds(seeds, shards)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(seeds)
+    assert all(low < high for low, high in bounds)
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert len(bounds) <= min(shards, len(seeds))
+
+
+def test_shard_bounds_worked_example():
+    # 4 groups of 3 (a task's G episodes) in 2 shards: cut between groups, not inside one.
+    assert shard_bounds([1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4], 2) == [(0, 6), (6, 12)]
+    # a cut that would split a group moves to the nearest group edge within half a shard
+    assert shard_bounds([1, 1, 1, 1, 2, 2, 3, 3, 3, 3], 2) == [(0, 4), (4, 10)]
+    assert shard_bounds([7], 4) == [(0, 1)]
+
+
+def close_rows(mine: list[dict], theirs: list[dict], table: str) -> None:
+    """Equal rows, floats within float-rounding of a batched forward of another shape (~1e-7 here)."""
+
+    def key(row: dict) -> str:
+        return json.dumps({k: v for k, v in row.items() if not isinstance(v, float | list)}, sort_keys=True,
+                          default=str)
+
+    assert len(mine) == len(theirs), table
+    for a, b in zip(sorted(mine, key=key), sorted(theirs, key=key), strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            x, y = a[name], b[name]
+            floats = (isinstance(x, float) and not math.isnan(x)) or (isinstance(x, list) and x
+                                                                        and isinstance(x[0], float))
+            if floats:
+                assert x == pytest.approx(y, rel=1e-4, abs=1e-5), (table, name)
+            else:
+                assert x == y or (isinstance(x, float) and math.isnan(y)), (table, name, x, y)
+
+
+@pytest.mark.slow
+def test_a_run_sharded_over_a_local_dask_cluster_commits_the_serial_tables(tmp_path):
+    config = write_config(tmp_path, iterations=1)
+    focus("train", "--config", str(config), "--store", str(tmp_path / "serial"), "--run-id", "same", cwd=tmp_path)
+    sharded = focus("train", "--config", str(config), "--store", str(tmp_path / "sharded"), "--run-id", "same",
+                    "--set", "fanout.shards=2", "--set", "fanout.runner=dask", "--set", "fanout.dask_workers=2",
+                    cwd=tmp_path)
+    assert "Traceback" not in sharded.stdout + sharded.stderr
+    serial, fanned = ArtifactStore(tmp_path / "serial"), ArtifactStore(tmp_path / "sharded")
+    for table in TABLES:
+        close_rows(table_rows(fanned, "same", table), table_rows(serial, "same", table), table)
+    # the branch stage really had continuations to split, and the ledger came back whole
+    assert len(table_rows(serial, "same", "branches")) >= 2
+    spent = sum(r["tokens"] for r in table_rows(fanned, "same", "budget_ledger"))
+    assert spent == sum(r["tokens"] for r in table_rows(serial, "same", "budget_ledger")) > 0
