@@ -260,16 +260,31 @@ class BootstrapConfig(_Section):
     )
 
 
-class FanoutConfig(_Section):
-    """How the generating stages (rollout, branch, evaluate) split their episodes: shards on a Prefect task runner
-    (``tasks/fanout.py``). Part of no stage's version: a sharded stage writes the tables of the serial one."""
+class GenerationConfig(_Section):
+    """How the generating stages (rollout, branch, evaluate) generate: the backend, and shards of their episodes on
+    a Prefect task runner (``tasks/fanout.py``). The shards are part of no stage's version (a sharded stage writes
+    the serial one's tables); the backend is, when it is not hf (it draws other tokens)."""
 
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="hf (the checkpoint in process) or vllm (a server on it, infra/vllm/); the update always "
+        "trains the hf model")
+    vllm_threads: int = Field(2, ge=1, description="vllm backend: CPU threads of the server (ignored on a GPU)")
     shards: int = Field(1, ge=1, description="episode shards per generating stage (1: played in the stage itself)")
     runner: Literal["threads", "dask"] = Field(
         "dask", description="threads: in the stage's process; dask: Dask workers (prefect-dask)")
     dask_address: str | None = Field(
         None, description="an existing Dask scheduler (tcp://host:8786); null: a local cluster of dask_workers")
     dask_workers: int = Field(2, ge=1, description="processes of the local Dask cluster (one thread each)")
+
+
+class LoRAConfig(_Section):
+    """The update trains LoRA adapters (``peft``) and merges them into the checkpoint it writes (``lora.py``)."""
+
+    rank: int = Field(16, ge=1, description="r: rank of each adapter")
+    alpha: float = Field(32.0, gt=0.0, description="scale alpha (the update is alpha / r · B A)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                               min_length=1, description="names of the linear layers that get adapters")
 
 
 class PPOConfig(_Section):
@@ -326,7 +341,8 @@ class FocusConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
-    fanout: FanoutConfig = Field(default_factory=FanoutConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    lora: LoRAConfig | None = Field(None, description="null: the update trains every weight")
 
     @model_validator(mode="before")
     @classmethod
@@ -386,6 +402,13 @@ class FocusConfig(_Section):
                 f"budget.group_size_grpo: {method.name} compares rollouts within a group, so a group of "
                 f"{self.budget.group_size_grpo} gives no signal (fix: group_size_grpo >= 2)"
             )
+        if self.generation.backend == "vllm" and self.agent.temperature != 1.0:
+            problems.append(f"agent.temperature: the vllm backend records untempered log-probs and the update "
+                            f"compares them at agent.temperature={self.agent.temperature} (fix: "
+                            f"agent.temperature=1.0, or generation.backend=hf)")
+        if self.generation.backend == "vllm" and self.generation.shards > 1:
+            problems.append("generation.shards: with backend vllm the server batches every episode's requests "
+                            "itself (fix: generation.shards=1, or generation.backend=hf)")
         resolved = self.model_dump()
         for path, wanted in method.requires.items():
             section, name = path.split(".")

@@ -22,7 +22,7 @@ from focus_core.budget import BudgetLedger
 from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
 from focus_core.schemas import content_id, schema_for
 from tasks.fanout import play
-from tasks.inputs import env_factory, policy_at, read, spent_tokens, tasks
+from tasks.inputs import env_factory, generation_fields, generator_at, read, spent_tokens, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
@@ -42,7 +42,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     state_ids = [state for state, n in chosen for _ in range(n)]
     estimates = dict(zip(plan.column("state_id").to_pylist(), plan.column("cost_estimate").to_pylist(), strict=True))
     index = [k for _, n in chosen for k in range(n)]
-    policy = policy_at(ctx, policy_manifest)
+    policy = generator_at(ctx, policy_manifest)
     by_id = {t.task_id: t for split in ("train", "heldout") for t in tasks(ctx, split)} if chosen else {}
     starts = segment_starts(state_ids, rollouts=read(ctx, rollout, "rollouts"), episodes=read(ctx, rollout, "episodes"),
                             tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
@@ -93,7 +93,7 @@ def branch(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifes
                 **{f"charged_{k}": m for k, m in enumerate(charged)}}
     return run_stage(ctx, iteration, stage_name(round_idx),
                      depends_on={**ctx.fields("seed", "budget", "agent", "env.name", "env.tier", "env.options"),
-                                 "budget_tokens": ctx.budget},
+                                 **generation_fields(ctx), "budget_tokens": ctx.budget},
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, acquisition, rollout, policy,
                                                      charged, scratch))

@@ -25,7 +25,7 @@ from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
 from tasks.fanout import play
-from tasks.inputs import env_factory, policy_at, tasks
+from tasks.inputs import env_factory, generation_fields, generator_at, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
@@ -41,7 +41,7 @@ def eval_tasks(ctx: RunContext) -> list:
 
 def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch: Path) -> StageResult:
     cfg = ctx.config
-    policy = policy_at(ctx, policy_manifest)
+    policy = generator_at(ctx, policy_manifest)
     chosen = eval_tasks(ctx)
     agent = cfg.agent.model_copy(update={"temperature": cfg.env.eval_temperature})
     seed = ctx.seed(0, STAGE, "sampling")  # every iteration the same draws: common random numbers
@@ -79,5 +79,6 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
 @stage_task("evaluate")
 def evaluate(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
     return run_stage(ctx, iteration, STAGE,
-                     depends_on=ctx.fields("seed", "agent", "env"), upstream={"policy": policy},
+                     depends_on={**ctx.fields("seed", "agent", "env"), **generation_fields(ctx)},
+                     upstream={"policy": policy},
                      compute=lambda scratch: compute(ctx, iteration, policy, scratch))

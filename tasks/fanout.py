@@ -1,10 +1,10 @@
 """Fan-out inside a stage: the episodes of rollout, branch and evaluate split into shards on a Prefect task runner.
 
-``play`` is what those stages call to generate. With ``fanout.shards: 1`` (the default) it plays every episode
+``play`` is what those stages call to generate. With ``generation.shards: 1`` (the default) it plays every episode
 in the stage's own process, as one ``AgentRunner.run``. With more shards it cuts the episodes into contiguous
 shards (at seed boundaries where it can, so a state's continuations share their prefix), submits one
-``play-shard`` task per shard to the task runner (``fanout.runner``: threads in this process, or Dask workers:
-a local cluster of ``fanout.dask_workers`` processes, or the scheduler at ``fanout.dask_address``) and puts
+``play-shard`` task per shard to the task runner (``generation.runner``: threads in this process, or Dask workers:
+a local cluster of ``generation.dask_workers`` processes, or the scheduler at ``generation.dask_address``) and puts
 the episodes back in order.
 
 Why the tables do not change: each episode samples from its own (seed, index) (``AgentRunner.run``'s
@@ -35,8 +35,9 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from focus_core.agent.harness import AgentEpisode, AgentRunner, RunProgress, SegmentStart
 from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.budget import BudgetLedger
-from focus_core.config import AgentConfig, FanoutConfig, config_to_dict, validate_config
+from focus_core.config import AgentConfig, GenerationConfig, config_to_dict, validate_config
 from focus_core.envs.base import Task
+from focus_core.policy.base import Policy
 from focus_core.policy.hf import HFPolicy
 from tasks.inputs import env_factory, policy_at
 from tasks.stage import RunContext
@@ -61,19 +62,19 @@ class Shard:
     own_process: bool  # a Dask worker: one torch thread, the process is the shard's alone
 
 
-def play(ctx: RunContext, policy_manifest: Manifest, policy: HFPolicy, agent: AgentConfig, *,
+def play(ctx: RunContext, policy_manifest: Manifest, policy: Policy, agent: AgentConfig, *,
          tasks: Sequence[Task] = (), starts: Sequence[SegmentStart] = (), episode_seeds: Sequence[tuple[int, int]],
          seed: int, ledger: BudgetLedger | None = None, costs: Sequence[float] | None = None, kind: str = "main",
          round_idx: int = 0, progress: Callable[[RunProgress], None] | None = None) -> list[AgentEpisode]:
     """The episodes of ``tasks`` then ``starts``, as ``AgentRunner(policy, ...).run`` plays them (same order),
-    split over ``ctx.config.fanout.shards`` shards; ``ledger`` is charged what they generated. ``costs``: each
+    split over ``ctx.config.generation.shards`` shards; ``ledger`` is charged what they generated. ``costs``: each
     episode's expected tokens (the acquisition's estimates), by which the ledger is split; default equal."""
-    fanout, total = ctx.config.fanout, len(tasks) + len(starts)
-    if fanout.shards == 1 or total < 2:
+    generation, total = ctx.config.generation, len(tasks) + len(starts)
+    if generation.shards == 1 or total < 2:
         return AgentRunner(policy, env_factory(ctx), agent).run(
             tasks, starts=starts, seed=seed, episode_seeds=episode_seeds, ledger=ledger, kind=kind,
             round_idx=round_idx, progress=progress)
-    bounds = shard_bounds([s for s, _ in episode_seeds], fanout.shards)
+    bounds = shard_bounds([s for s, _ in episode_seeds], generation.shards)
     costs = [1.0] * total if costs is None else list(costs)
     parts = ([None] * len(bounds) if ledger is None
              else ledger.split([max(sum(costs[low:high]), 1e-9) for low, high in bounds]))
@@ -81,9 +82,9 @@ def play(ctx: RunContext, policy_manifest: Manifest, policy: HFPolicy, agent: Ag
     work = [Shard(ctx.store.root, ctx.run_id, config, policy_manifest, agent.model_dump(),
                   tuple(tasks[low:high]), tuple(starts[max(0, low - len(tasks)):max(0, high - len(tasks))]),
                   tuple(episode_seeds[low:high]), seed, None if part is None else part.budget, kind, round_idx,
-                  fanout.runner == "dask")
+                  generation.runner == "dask")
             for (low, high), part in zip(bounds, parts, strict=True)]
-    runner = _runner(fanout)
+    runner = _runner(generation)
     futures = [runner.submit(play_shard, {"shard": shard}) for shard in work]
     episodes: list[AgentEpisode] = []
     finished = tokens = 0
@@ -147,18 +148,18 @@ def _policy(store_root: str, run_id: str, iteration: int, stage: str, manifest_h
 _RUNNERS: dict[tuple, TaskRunner] = {}
 
 
-def _runner(fanout: FanoutConfig) -> TaskRunner:
-    """The task runner of ``fanout``, started once per process and kept for the next stages (a local Dask
+def _runner(generation: GenerationConfig) -> TaskRunner:
+    """The task runner of ``generation``, started once per process and kept for the next stages (a local Dask
     cluster takes seconds to start), closed at exit."""
-    key = (fanout.runner, fanout.dask_address, fanout.dask_workers, fanout.shards)
+    key = (generation.runner, generation.dask_address, generation.dask_workers, generation.shards)
     if key not in _RUNNERS:
-        if fanout.runner == "threads":
-            runner: TaskRunner = ThreadPoolTaskRunner(max_workers=fanout.shards)
+        if generation.runner == "threads":
+            runner: TaskRunner = ThreadPoolTaskRunner(max_workers=generation.shards)
         else:
             from prefect_dask import DaskTaskRunner
 
-            runner = DaskTaskRunner(address=fanout.dask_address) if fanout.dask_address else DaskTaskRunner(
-                cluster_kwargs={"n_workers": fanout.dask_workers, "threads_per_worker": 1, "processes": True,
+            runner = DaskTaskRunner(address=generation.dask_address) if generation.dask_address else DaskTaskRunner(
+                cluster_kwargs={"n_workers": generation.dask_workers, "threads_per_worker": 1, "processes": True,
                                 "dashboard_address": None})
         runner.__enter__()
         atexit.register(runner.__exit__, None, None, None)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from focus_core.artifacts import Manifest
 from focus_core.envs.base import Task, ToolEnv, make_env
+from focus_core.policy.base import Policy
 from focus_core.policy.hf import HFPolicy
 from focus_core.policy.models import load_policy
 from tasks.stage import RunContext
@@ -46,6 +51,38 @@ def policy_at(ctx: RunContext, policy: Manifest) -> HFPolicy:
     """Load the checkpoint a bootstrap or update manifest points to, at its policy version."""
     folder = ctx.store.fetch_folder(ctx.run_id, policy.iteration, policy.stage, POLICY_FOLDER)
     return load_policy(folder)
+
+
+def generator_at(ctx: RunContext, policy: Manifest) -> Policy:
+    """The policy that generates in rollout, branch and evaluate: the checkpoint in process (``generation.backend:
+    hf``), or a vLLM server on it (``vllm``), started once per process and handed each newer checkpoint in place
+    (``VLLMPolicy.load_weights``: reload, then a prefix-cache reset), stopped at exit."""
+    if ctx.config.generation.backend == "hf":
+        return policy_at(ctx, policy)
+    from focus_core.policy.vllm import VLLMPolicy, model_view
+
+    folder = Path(ctx.store.fetch_folder(ctx.run_id, policy.iteration, policy.stage, POLICY_FOLDER)).resolve()
+    served = _SERVED.get("policy")
+    if served is None:
+        positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings", 2048)
+        served = VLLMPolicy.launch(model_view(folder), threads=ctx.config.generation.vllm_threads,
+                                   max_model_len=positions)
+        served.version = policy.policy_version or 0
+        atexit.register(served.close)
+        _SERVED.update(policy=served, folder=folder)
+    elif _SERVED["folder"] != folder:
+        served.load_weights(folder, version=policy.policy_version)
+        _SERVED["folder"] = folder
+    return served
+
+
+_SERVED: dict[str, Any] = {}  # this process's vLLM policy and the checkpoint folder it serves, once started
+
+
+def generation_fields(ctx: RunContext) -> dict[str, Any]:
+    """What a generating stage's version depends on besides its own fields: the backend draws other tokens. Absent
+    for hf, so the runs made before the setting existed keep their stage versions."""
+    return {} if ctx.config.generation.backend == "hf" else {"generation.backend": ctx.config.generation.backend}
 
 
 def read(ctx: RunContext, manifest: Manifest, table: str):

@@ -32,7 +32,7 @@ from focus_core.envs.base import Task
 from focus_core.rollouts import episode_id, episode_tables
 from focus_core.schemas import content_id, schema_for
 from tasks.fanout import play
-from tasks.inputs import policy_at, tasks
+from tasks.inputs import generation_fields, generator_at, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
@@ -42,7 +42,7 @@ log = logging.getLogger("focus")
 
 def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch: Path) -> StageResult:
     cfg = ctx.config
-    policy = policy_at(ctx, policy_manifest)
+    policy = generator_at(ctx, policy_manifest)
     seed = ctx.seed(iteration, STAGE)
     train = tasks(ctx, "train")
     order = [train[i] for i in np.random.default_rng(seed).permutation(len(train))]
@@ -106,5 +106,6 @@ def _waves(cfg: FocusConfig, order: list[Task], ledger: BudgetLedger, group_cost
 def rollout(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
     return run_stage(ctx, iteration, STAGE,
                      depends_on={**ctx.fields("seed", "method", "budget", "agent", "env.name", "env.tier",
-                                                 "env.options"), "budget_tokens": ctx.budget},
+                                                 "env.options"), **generation_fields(ctx),
+                                 "budget_tokens": ctx.budget},
                      upstream={"policy": policy}, compute=lambda scratch: compute(ctx, iteration, policy, scratch))

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
 from focus_core.continuations import update_sequences
+from focus_core.lora import merged, with_lora
 from focus_core.ppo import load_optimizer_state, policy_update, save_optimizer_state
 from focus_core.rollouts import token_advantages
 from focus_core.schemas import schema_for
@@ -62,15 +63,20 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
     head = load_value_head(ctx, policy_manifest, policy) if value_returns is not None else None
     reference_model = policy_at(ctx, reference).model if cfg.ppo.kl_coef > 0 else None
     seed = ctx.seed(iteration, STAGE)
+    # LoRA: fresh adapters each iteration, merged below; AdamW restarts with them (focus_core/lora.py).
+    model = with_lora(policy.model, cfg.lora) if cfg.lora else policy.model
     with tqdm(desc=f"it {iteration} update", unit="step", leave=False) as bar:
-        report = policy_update(policy.model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
+        report = policy_update(model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
                                seed=seed, temperature=cfg.agent.temperature,
-                               optimizer_state=load_optimizer_state(folder), value_head=head,
+                               optimizer_state=None if cfg.lora else load_optimizer_state(folder), value_head=head,
                                value_returns=value_returns, old_values=old_values, value_coef=cfg.ppo.value_coef,
                                value_clip=cfg.ppo.value_clip, progress=lambda row: bar.update(1))
+    if cfg.lora:
+        policy.model = merged(model)
     policy.version = policy_manifest.policy_version + 1
     policy.save(scratch / POLICY_FOLDER)
-    save_optimizer_state(report.optimizer_state, scratch / POLICY_FOLDER)
+    if not cfg.lora:
+        save_optimizer_state(report.optimizer_state, scratch / POLICY_FOLDER)
     if head is not None:
         head.save(scratch / POLICY_FOLDER)
     rows = [{"run_id": ctx.run_id, "iteration": iteration, "policy_version": policy_manifest.policy_version, **row}
@@ -103,7 +109,9 @@ def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manif
     upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference,
                 **({f"branch_{k}": m for k, m in enumerate(branches)} if ctx.config.ppo.train_on_continuations else {})}
     return run_stage(ctx, iteration, STAGE,
-                     depends_on=ctx.fields("seed", "ppo", "advantage.whiten", "agent.temperature"),
+                     depends_on={**ctx.fields("seed", "ppo", "advantage.whiten", "agent.temperature"),
+                                 # absent without LoRA, so the runs made before the setting keep their versions
+                                 **({"lora": ctx.fields("lora")["lora"]} if ctx.config.lora else {})},
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch,
                                                      branches))

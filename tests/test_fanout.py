@@ -58,8 +58,8 @@ def test_a_run_sharded_over_a_local_dask_cluster_commits_the_serial_tables(tmp_p
     config = write_config(tmp_path, iterations=1)
     focus("train", "--config", str(config), "--store", str(tmp_path / "serial"), "--run-id", "same", cwd=tmp_path)
     sharded = focus("train", "--config", str(config), "--store", str(tmp_path / "sharded"), "--run-id", "same",
-                    "--set", "fanout.shards=2", "--set", "fanout.runner=dask", "--set", "fanout.dask_workers=2",
-                    cwd=tmp_path)
+                    "--set", "generation.shards=2", "--set", "generation.runner=dask",
+                    "--set", "generation.dask_workers=2", cwd=tmp_path)
     assert "Traceback" not in sharded.stdout + sharded.stderr
     serial, fanned = ArtifactStore(tmp_path / "serial"), ArtifactStore(tmp_path / "sharded")
     for table in TABLES:

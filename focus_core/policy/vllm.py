@@ -224,10 +224,12 @@ class VLLMPolicy:
         the current version + 1.
         """
         path = Path(path).expanduser().resolve()
-        if not any(path.glob("*.safetensors")):
-            raise FileNotFoundError(f"load_weights: no *.safetensors in {path} (expected a folder written by save)")
+        if not any(path.glob("model*.safetensors")):
+            raise FileNotFoundError(f"load_weights: no model*.safetensors in {path} (expected a folder written by "
+                                    "save)")
+        served = model_view(path)
         try:
-            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(served)}})
         except VLLMServerError as error:
             if error.status != 404:
                 raise
@@ -237,7 +239,7 @@ class VLLMPolicy:
                     "place: start it with VLLM_SERVER_DEV_MODE=1 (infra/vllm/server.py does), or create the "
                     "policy with VLLMPolicy.launch so it can restart its own server on the new folder"
                 ) from error
-            self._restart(path)
+            self._restart(served)
         else:
             # Prefix-cache blocks hold keys/values computed with the old weights; reusing them would be wrong.
             reset = self._post("/reset_prefix_cache", {})
@@ -337,6 +339,19 @@ def _http_error(base_url: str, route: str, error: urllib.error.HTTPError) -> VLL
 
 
 # ---------------------------------------------------------------------- requests and responses (pure functions)
+
+
+def model_view(path: Path) -> Path:
+    """``path``, or when it also holds other safetensors (a training checkpoint: the optimizer state, a value
+    head), a folder of links to everything but those. vLLM loads every ``*.safetensors`` of a folder as weights."""
+    others = [f for f in path.glob("*.safetensors") if not f.name.startswith("model")]
+    if not others:
+        return path
+    view = Path(tempfile.mkdtemp(prefix=f"focus-vllm-{path.name}-"))
+    for item in path.iterdir():
+        if item not in others:
+            (view / item.name).symlink_to(item)
+    return view
 
 
 def request_seed(seed: int, prompt_index: int | None) -> int:
