@@ -61,6 +61,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "envs": ("bench.envs", "expert and random success, turns and tokens of the embedded environments"),
     "branching": ("bench.branching", "continuations from a long vs a short state with the hf backend"),
     "sft": ("bench.sft_warmstart", "the tiny model's SFT warm start per environment: steps, loss, held-out success"),
+    "fanout": ("bench.fanout", "one rollout stage serially and sharded over Dask workers: wall, generation share"),
 }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from focus_core.artifacts import COMPUTE_TIMING, ArtifactStore, Manifest, canonical_json
+from focus_core.artifacts import COMPUTE_TIMING, PARTS_OF_COMPUTE, ArtifactStore, Manifest, canonical_json
 from focus_core.schemas import TABLES, empty_table
 
 # Each entry: name -> (one-line description, SQL). The main rollouts of an iteration are the rows the
@@ -225,7 +225,8 @@ def _manifest_rows(committed: Sequence[tuple[int, str, Manifest]]) -> pa.Table:
             "skipped": manifest.skipped,
             "created_at": manifest.created_at,
             "compute_s": compute,
-            "overhead_s": float(sum(manifest.timings.values())) - compute,
+            "overhead_s": float(sum(v for k, v in manifest.timings.items()
+                                    if k != COMPUTE_TIMING and k not in PARTS_OF_COMPUTE)),
             "rows": sum(manifest.rows.values()),
             "tables": canonical_json(manifest.rows),
             "figures": canonical_json(dict(manifest.figures)),

@@ -26,7 +26,8 @@ downstream of it (their ``stage_version`` includes the upstream hashes).
 
 Timings: a manifest's ``timings`` maps names to seconds. ``compute_s`` is the stage's own work; every
 other entry (``store_write_s``, added by the store, or a task wrapper's ``store_read_s``,
-``orchestration_s``) counts as overhead in ``list_runs``.
+``orchestration_s``) counts as overhead in ``list_runs``, except the parts of ``compute_s`` that a stage
+reports (``generation_s``: its generation, the longest shard's when sharded).
 
 S3: endpoint and credentials come only from the standard AWS environment variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``), never from config, and never
@@ -71,6 +72,7 @@ RUN_INFO_KIND = "focus.run-info"
 RUN_STATUSES = ("running", "finished", "failed")
 DEFAULT_PART_ROWS = 50_000
 COMPUTE_TIMING = "compute_s"
+PARTS_OF_COMPUTE = ("generation_s",)  # timings inside compute_s, not beside it
 STORE_WRITE_TIMING = "store_write_s"
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -742,7 +744,7 @@ class ArtifactStore:
                 for key, seconds in manifest.timings.items():
                     if key == COMPUTE_TIMING:
                         compute += seconds
-                    else:
+                    elif key not in PARTS_OF_COMPUTE:
                         overhead += seconds
             last = max(committed, key=lambda item: item[2].created_at, default=None)
             info = info or {}

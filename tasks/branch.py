@@ -48,13 +48,14 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
                             tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
     ledger = BudgetLedger(max(0, ctx.budget - spent_tokens(ctx, charged)))
     seed = ctx.seed(iteration, stage_name(round_idx))
+    timings: dict[str, float] = {}
     with GenerationBar(f"it {iteration} branches r{round_idx}", len(starts), unit="branch") as bar:
         # A state's continuations: samples 0, 1, ... of the state's seed, whichever shard plays them.
         seeds = [(ctx.seed(iteration, stage_name(round_idx), s.state_id), k)
                  for s, k in zip(starts, index, strict=True)]
         episodes = play(ctx, policy_manifest, policy, cfg.agent, starts=starts, episode_seeds=seeds, seed=seed,
                         ledger=ledger, costs=[estimates[s] for s in state_ids], kind="branch", round_idx=round_idx,
-                        progress=bar.callback())
+                        progress=bar.callback(), timings=timings)
     branches = [branch_id(s.state_id, round_idx, k) for s, k in zip(starts, index, strict=True)]
     ids = [episode_id(ctx.run_id, iteration, s.task.task_id, "branch", s.state_id, round_idx, k)
            for s, k in zip(starts, index, strict=True)]
@@ -83,7 +84,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
                "cut_share": sum(e.budget_cut for e in episodes) / n if n else 0.0}
     return StageResult(tables={"branches": branch_table, "rollouts": rollouts, "episodes": episode_table,
                                "budget_ledger": pa.Table.from_pylist(rows, schema=schema_for("budget_ledger"))},
-                       figures=figures, policy_version=policy.version, seeds={"branch": seed})
+                       figures=figures, policy_version=policy.version, seeds={"branch": seed}, timings=timings)
 
 
 @stage_task("branch")

@@ -45,8 +45,10 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     chosen = eval_tasks(ctx)
     agent = cfg.agent.model_copy(update={"temperature": cfg.env.eval_temperature})
     seed = ctx.seed(0, STAGE, "sampling")  # every iteration the same draws: common random numbers
+    timings: dict[str, float] = {}
     with GenerationBar(f"it {iteration} evaluation", len(chosen)) as bar:
         episodes = play(ctx, policy_manifest, policy, agent, tasks=chosen, seed=seed, progress=bar.callback(),
+                        timings=timings,
                         episode_seeds=[(ctx.seed(0, STAGE, "sampling", t.task_id), 0) for t in chosen])
     n = len(episodes)
     exact = None
@@ -73,7 +75,8 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     if exact is not None:
         figures |= {"heldout_success_exact": float(exact.values.mean()), "exact_contexts": exact.contexts,
                     "exact_off_menu_mass": exact.off_menu_mass}
-    return StageResult(tables={"evaluation": table}, figures=figures, policy_version=policy.version)
+    return StageResult(tables={"evaluation": table}, figures=figures, policy_version=policy.version,
+                       timings=timings)
 
 
 @stage_task("evaluate")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,15 +66,22 @@ class Shard:
 def play(ctx: RunContext, policy_manifest: Manifest, policy: Policy, agent: AgentConfig, *,
          tasks: Sequence[Task] = (), starts: Sequence[SegmentStart] = (), episode_seeds: Sequence[tuple[int, int]],
          seed: int, ledger: BudgetLedger | None = None, costs: Sequence[float] | None = None, kind: str = "main",
-         round_idx: int = 0, progress: Callable[[RunProgress], None] | None = None) -> list[AgentEpisode]:
+         round_idx: int = 0, progress: Callable[[RunProgress], None] | None = None,
+         timings: dict[str, float] | None = None) -> list[AgentEpisode]:
     """The episodes of ``tasks`` then ``starts``, as ``AgentRunner(policy, ...).run`` plays them (same order),
     split over ``ctx.config.generation.shards`` shards; ``ledger`` is charged what they generated. ``costs``: each
-    episode's expected tokens (the acquisition's estimates), by which the ledger is split; default equal."""
+    episode's expected tokens (the acquisition's estimates), by which the ledger is split; default equal.
+    ``timings`` (if given) adds up ``generation_s``: the seconds of generation, of the longest shard when
+    sharded (the part of the stage's time that more workers could not have saved)."""
     generation, total = ctx.config.generation, len(tasks) + len(starts)
+    timings = {} if timings is None else timings
     if generation.shards == 1 or total < 2:
-        return AgentRunner(policy, env_factory(ctx), agent).run(
+        started = time.perf_counter()
+        episodes = AgentRunner(policy, env_factory(ctx), agent).run(
             tasks, starts=starts, seed=seed, episode_seeds=episode_seeds, ledger=ledger, kind=kind,
             round_idx=round_idx, progress=progress)
+        timings["generation_s"] = timings.get("generation_s", 0.0) + time.perf_counter() - started
+        return episodes
     bounds = shard_bounds([s for s, _ in episode_seeds], generation.shards)
     costs = [1.0] * total if costs is None else list(costs)
     parts = ([None] * len(bounds) if ledger is None
@@ -88,14 +96,17 @@ def play(ctx: RunContext, policy_manifest: Manifest, policy: Policy, agent: Agen
     futures = [runner.submit(play_shard, {"shard": shard}) for shard in work]
     episodes: list[AgentEpisode] = []
     finished = tokens = 0
+    longest = 0.0
     for future in futures:  # in shard order: the episodes come back in the serial order
-        played, charged = future.result()
+        played, charged, seconds = future.result()
+        longest = max(longest, seconds)
         episodes += played
         if ledger is not None:
             ledger.absorb(charged)
         finished, tokens = finished + len(played), tokens + sum(e.generated_tokens for e in played)
         if progress:
             progress(RunProgress(finished, total, max((len(e.turns) for e in played), default=0), tokens))
+    timings["generation_s"] = timings.get("generation_s", 0.0) + longest
     return episodes
 
 
@@ -116,7 +127,7 @@ def shard_bounds(seeds: Sequence[int], shards: int) -> list[tuple[int, int]]:
 
 
 @task(name="play-shard", cache_policy=NO_CACHE)
-def play_shard(shard: Shard) -> tuple[list[AgentEpisode], BudgetLedger | None]:
+def play_shard(shard: Shard) -> tuple[list[AgentEpisode], BudgetLedger | None, float]:
     """Play one shard on a worker: the policy from the store, the episodes with their own seeds."""
     if shard.own_process:
         import torch
@@ -127,10 +138,11 @@ def play_shard(shard: Shard) -> tuple[list[AgentEpisode], BudgetLedger | None]:
     policy = _policy(shard.store_root, shard.run_id, shard.policy.iteration, shard.policy.stage,
                      shard.policy.hash, threading.get_ident())
     ledger = None if shard.budget is None else BudgetLedger(shard.budget)
+    started = time.perf_counter()
     episodes = AgentRunner(policy, env_factory(ctx), AgentConfig.model_validate(shard.agent)).run(
         shard.tasks, starts=shard.starts, seed=shard.seed, episode_seeds=shard.episode_seeds, ledger=ledger,
         kind=shard.kind, round_idx=shard.round_idx)
-    return episodes, ledger
+    return episodes, ledger, time.perf_counter() - started
 
 
 @functools.lru_cache(maxsize=8)

@@ -48,14 +48,14 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     order = [train[i] for i in np.random.default_rng(seed).permutation(len(train))]
     group = cfg.main_group_size
     ledger = BudgetLedger(ctx.budget)
-    batch, episodes, group_costs = [], [], []
+    batch, episodes, group_costs, timings = [], [], [], {}
     with GenerationBar(f"it {iteration} rollouts") as bar:
         for wave, chosen in enumerate(_waves(cfg, order, ledger, group_costs)):
             wave_tasks = [t for t in chosen for _ in range(group)]
             # A task's group: samples 0..G-1 of the task's seed, whichever wave or shard plays it.
             seeds = [(ctx.seed(iteration, STAGE, t.task_id), k % group) for k, t in enumerate(wave_tasks)]
             played = play(ctx, policy_manifest, policy, cfg.agent, tasks=wave_tasks, episode_seeds=seeds,
-                          seed=seed + wave, ledger=ledger, progress=bar.callback())
+                          seed=seed + wave, ledger=ledger, progress=bar.callback(), timings=timings)
             group_costs += [sum(e.generated_tokens for e in played[k:k + group])
                             for k in range(0, len(played), group)]
             batch += wave_tasks
@@ -77,7 +77,7 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
                     "budget.tokens_per_iteration, or fewer budget.prompts_per_iteration)", iteration,
                     figures["budget_cut"], ledger.budget)
     return StageResult(tables={"rollouts": rollouts, "episodes": episode_table, "budget_ledger": ledger_table},
-                       figures=figures, policy_version=policy.version, seeds={"rollout": seed})
+                       figures=figures, policy_version=policy.version, seeds={"rollout": seed}, timings=timings)
 
 
 def _waves(cfg: FocusConfig, order: list[Task], ledger: BudgetLedger, group_costs: list[int]) -> Iterator[list[Task]]:

@@ -99,6 +99,7 @@ class StageResult:
     policy_version: int | None = None
     skipped: str | None = None  # why a stage had nothing to do (e.g. GRPO has no critic)
     seeds: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds beside compute_s (e.g. generation_s)
 
 
 def run_stage(ctx: RunContext, iteration: int, stage: str, *, depends_on: Mapping[str, Any],
@@ -118,7 +119,8 @@ def run_stage(ctx: RunContext, iteration: int, stage: str, *, depends_on: Mappin
         manifest = ctx.store.commit(
             ctx.run_id, iteration, stage, version=version, tables=result.tables, folders=result.folders,
             upstream={name: m.hash for name, m in upstream.items()}, seeds=result.seeds,
-            policy_version=result.policy_version, timings={"compute_s": compute_s}, figures=result.figures,
+            policy_version=result.policy_version, timings={"compute_s": compute_s, **result.timings},
+            figures=result.figures,
             skipped=result.skipped,
         )
     log.info("[it %d] %-12s %s (%.1f s)", iteration, stage, _describe(result), compute_s)

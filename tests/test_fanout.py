@@ -64,6 +64,10 @@ def test_a_run_sharded_over_a_local_dask_cluster_commits_the_serial_tables(tmp_p
     serial, fanned = ArtifactStore(tmp_path / "serial"), ArtifactStore(tmp_path / "sharded")
     for table in TABLES:
         close_rows(table_rows(fanned, "same", table), table_rows(serial, "same", table), table)
+    # each generating stage reports its generation time inside its compute time (the longest shard's)
+    for stage in ("evaluate", "rollout", "branch_r0"):
+        timings = fanned.manifest("same", 0, stage).timings
+        assert 0 < timings["generation_s"] <= timings["compute_s"]
     # the branch stage really had continuations to split, and the ledger came back whole
     assert len(table_rows(serial, "same", "branches")) >= 2
     spent = sum(r["tokens"] for r in table_rows(fanned, "same", "budget_ledger"))
