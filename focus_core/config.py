@@ -304,6 +304,10 @@ class PPOConfig(_Section):
     value_coef: float = Field(0.5, ge=0.0, description="weight of the value-head loss (ppo_gae)")
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping around the sampling-time "
                                      "values (ppo_gae); null = none")
+    processes: int = Field(
+        1, ge=1, json_schema_extra={"execution_only": True},
+        description="processes of the data-parallel update (torchrun + accelerate: gloo on CPUs, NCCL on GPUs); "
+        "the same steps as one process, up to float summation order")
     train_on_continuations: bool = Field(
         False, description="also train on the continuations' own tokens, each segment with its TD(λ) advantage "
         "(branching methods only; the method table's preset: on for focus, off for vineppo as in its paper)"
@@ -436,6 +440,19 @@ class FocusConfig(_Section):
     def main_group_size(self) -> int:
         """Main rollouts per prompt: G_main for branching methods, G_grpo otherwise."""
         return self.budget.group_size_main if self.uses_branches else self.budget.group_size_grpo
+
+
+def execution_only_fields() -> frozenset[str]:
+    """Dotted names of the fields that say how a stage runs, not what it computes (``ppo.processes``): left out
+    of stage versions, so changing them reuses committed stages."""
+    found = set()
+    for section, info in FocusConfig.model_fields.items():
+        model = info.annotation
+        for candidate in getattr(model, "__args__", (model,)):
+            for name, field_info in getattr(candidate, "model_fields", {}).items():
+                if (field_info.json_schema_extra or {}).get("execution_only"):
+                    found.add(f"{section}.{name}")
+    return frozenset(found)
 
 
 # --- loading, overrides and error reporting ----------------------------------------------------------

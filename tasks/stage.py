@@ -38,7 +38,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable, derive_seed, stage_version
-from focus_core.config import FocusConfig, config_to_dict
+from focus_core.config import FocusConfig, config_to_dict, execution_only_fields
 
 log = logging.getLogger("focus")
 
@@ -79,8 +79,13 @@ class RunContext:
         return derive_seed(self.config.seed, iteration, stage, *keys)
 
     def fields(self, *names: str) -> dict[str, Any]:
-        """The config values a stage depends on (``"ppo"``, ``"env.name"``...), for its version hash."""
+        """The config values a stage depends on (``"ppo"``, ``"env.name"``...), for its version hash; fields that
+        only say how it runs (``execution_only_fields``, e.g. ``ppo.processes``) are left out."""
         resolved, picked = config_to_dict(self.config), {}
+        for path in execution_only_fields():
+            section, name = path.split(".")
+            if isinstance(resolved.get(section), dict):
+                resolved[section].pop(name, None)
         for name in names:
             value: Any = resolved
             for key in name.split("."):

@@ -34,7 +34,14 @@ from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
 from focus_core.continuations import update_sequences
 from focus_core.lora import merged, with_lora
-from focus_core.ppo import load_optimizer_state, policy_update, save_optimizer_state
+from focus_core.ppo import (
+    DataParallel,
+    SequenceLike,
+    UpdateReport,
+    load_optimizer_state,
+    policy_update,
+    save_optimizer_state,
+)
 from focus_core.rollouts import token_advantages
 from focus_core.schemas import schema_for
 from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
@@ -58,27 +65,16 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         flat, mask = np.concatenate(token_adv), np.concatenate([s.loss_mask for s in sequences])
         flat = whiten(flat, mask)
         token_adv = np.split(flat, np.cumsum([len(a) for a in token_adv])[:-1])
-    policy = policy_at(ctx, policy_manifest)
-    folder = ctx.store.fetch_folder(ctx.run_id, policy_manifest.iteration, policy_manifest.stage, POLICY_FOLDER)
-    head = load_value_head(ctx, policy_manifest, policy) if value_returns is not None else None
-    reference_model = policy_at(ctx, reference).model if cfg.ppo.kl_coef > 0 else None
     seed = ctx.seed(iteration, STAGE)
-    # LoRA: fresh adapters each iteration, merged below; AdamW restarts with them (focus_core/lora.py).
-    model = with_lora(policy.model, cfg.lora) if cfg.lora else policy.model
-    with tqdm(desc=f"it {iteration} update", unit="step", leave=False) as bar:
-        report = policy_update(model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
-                               seed=seed, temperature=cfg.agent.temperature,
-                               optimizer_state=None if cfg.lora else load_optimizer_state(folder), value_head=head,
-                               value_returns=value_returns, old_values=old_values, value_coef=cfg.ppo.value_coef,
-                               value_clip=cfg.ppo.value_clip, progress=lambda row: bar.update(1))
-    if cfg.lora:
-        policy.model = merged(model)
-    policy.version = policy_manifest.policy_version + 1
-    policy.save(scratch / POLICY_FOLDER)
-    if not cfg.lora:
-        save_optimizer_state(report.optimizer_state, scratch / POLICY_FOLDER)
-    if head is not None:
-        head.save(scratch / POLICY_FOLDER)
+    if cfg.ppo.processes > 1:  # the same update, split over processes (tasks/update_dp.py)
+        from tasks.update_dp import train_in_processes
+
+        report = train_in_processes(ctx, policy_manifest, reference, sequences, token_adv, value_returns, old_values,
+                                    seed, scratch)
+    else:
+        report = train(ctx, policy_manifest, reference, sequences, token_adv, value_returns, old_values, seed,
+                       scratch / POLICY_FOLDER)
+    policy_version = policy_manifest.policy_version + 1
     rows = [{"run_id": ctx.run_id, "iteration": iteration, "policy_version": policy_manifest.policy_version, **row}
             for row in report.rows]
     tokens = np.array([q.generated_tokens for q in sequences], dtype=np.int64)
@@ -91,7 +87,40 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         figures["value_loss"] = report.value_loss
     return StageResult(tables={"updates": pa.Table.from_pylist(rows, schema=schema_for("updates"))},
                        folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures,
-                       policy_version=policy.version, seeds={"update": seed})
+                       policy_version=policy_version, seeds={"update": seed})
+
+
+def train(ctx: RunContext, policy_manifest: Manifest, reference: Manifest, sequences: Sequence[SequenceLike],
+          token_adv: Sequence[np.ndarray], value_returns: Sequence[np.ndarray] | None,
+          old_values: Sequence[np.ndarray] | None, seed: int, out: Path,
+          data_parallel: DataParallel | None = None) -> UpdateReport:
+    """The update of the policy ``policy_manifest`` points to; the new checkpoint (version + 1, optimizer state,
+    value head) is written to ``out``, by the first process only under ``data_parallel``."""
+    cfg = ctx.config
+    policy = policy_at(ctx, policy_manifest)
+    folder = ctx.store.fetch_folder(ctx.run_id, policy_manifest.iteration, policy_manifest.stage, POLICY_FOLDER)
+    head = load_value_head(ctx, policy_manifest, policy) if value_returns is not None else None
+    reference_model = policy_at(ctx, reference).model if cfg.ppo.kl_coef > 0 else None
+    # LoRA: fresh adapters each iteration, merged below; AdamW restarts with them (focus_core/lora.py).
+    model = with_lora(policy.model, cfg.lora) if cfg.lora else policy.model
+    first = data_parallel is None or data_parallel.rank == 0
+    with tqdm(desc=f"it {policy_manifest.iteration} update", unit="step", leave=False, disable=not first) as bar:
+        report = policy_update(model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
+                               seed=seed, temperature=cfg.agent.temperature,
+                               optimizer_state=None if cfg.lora else load_optimizer_state(folder), value_head=head,
+                               value_returns=value_returns, old_values=old_values, value_coef=cfg.ppo.value_coef,
+                               value_clip=cfg.ppo.value_clip, progress=lambda row: bar.update(1),
+                               data_parallel=data_parallel)
+    if first:
+        if cfg.lora:
+            policy.model = merged(model)
+        policy.version = policy_manifest.policy_version + 1
+        policy.save(out)
+        if not cfg.lora:
+            save_optimizer_state(report.optimizer_state, out)
+        if head is not None:
+            head.save(out)
+    return report
 
 
 def _per_sequence(table: pa.Table, sequences) -> dict[str, list[np.ndarray]]:
