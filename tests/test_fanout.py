@@ -1,5 +1,6 @@
-"""Fan-out inside a stage (tasks/fanout.py): where shards are cut, and a run whose generating stages play their
-episodes on a real local Dask cluster of 2 workers committing the tables of the same run played serially."""
+"""Scale-out that must not change results: fan-out inside a stage (tasks/fanout.py: where shards are cut; a run
+whose generating stages play on a real local Dask cluster of 2 workers) and the update on 2 processes
+(tasks/update_dp.py) commit the tables of the same run played serially."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import json
 import math
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 from focus_core.artifacts import ArtifactStore
 from tasks.fanout import shard_bounds
@@ -54,12 +57,14 @@ def close_rows(mine: list[dict], theirs: list[dict], table: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_run_sharded_over_a_local_dask_cluster_commits_the_serial_tables(tmp_path):
+def test_a_run_sharded_over_dask_and_updated_by_two_processes_commits_the_serial_tables(tmp_path):
+    # One run played serially and updated in one process; the other with its generating stages on a real local
+    # Dask cluster of 2 workers and its update on 2 processes (torchrun + accelerate, gloo): the same tables.
     config = write_config(tmp_path, iterations=1)
     focus("train", "--config", str(config), "--store", str(tmp_path / "serial"), "--run-id", "same", cwd=tmp_path)
     sharded = focus("train", "--config", str(config), "--store", str(tmp_path / "sharded"), "--run-id", "same",
                     "--set", "generation.shards=2", "--set", "generation.runner=dask",
-                    "--set", "generation.dask_workers=2", cwd=tmp_path)
+                    "--set", "generation.dask_workers=2", "--set", "ppo.processes=2", cwd=tmp_path)
     assert "Traceback" not in sharded.stdout + sharded.stderr
     serial, fanned = ArtifactStore(tmp_path / "serial"), ArtifactStore(tmp_path / "sharded")
     for table in TABLES:
@@ -72,3 +77,14 @@ def test_a_run_sharded_over_a_local_dask_cluster_commits_the_serial_tables(tmp_p
     assert len(table_rows(serial, "same", "branches")) >= 2
     spent = sum(r["tokens"] for r in table_rows(fanned, "same", "budget_ledger"))
     assert spent == sum(r["tokens"] for r in table_rows(serial, "same", "budget_ledger")) > 0
+    # the 2-process update moved the weights as the 1-process one did (float summation order apart)
+    weights = [load_file(store.fetch_folder("same", 0, "update", "policy") / "model.safetensors")
+               for store in (serial, fanned)]
+    start = load_file(serial.fetch_folder("same", 0, "bootstrap", "policy") / "model.safetensors")
+    assert max((weights[0][n] - start[n]).abs().max().item() for n in start) > 1e-6
+    for name in weights[0]:
+        torch.testing.assert_close(weights[1][name], weights[0][name], rtol=1e-4, atol=2e-5, msg=name)
+    # neither setting is part of a stage's version: the stages whose inputs are byte-equal have equal versions
+    # (downstream of the rollout they differ with its float bits, which the version hashes through the tables)
+    for stage in ("bootstrap", "evaluate", "rollout"):
+        assert serial.manifest("same", 0, stage).version == fanned.manifest("same", 0, stage).version, stage
