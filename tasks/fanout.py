@@ -154,7 +154,11 @@ def _policy(store_root: str, run_id: str, iteration: int, stage: str, manifest_h
     if manifest is None or manifest.hash != manifest_hash:
         raise RuntimeError(f"run {run_id}: the policy of {stage} at iteration {iteration} is not the one the stage "
                            f"was given (its manifest changed or is gone); rerun the stage")
-    return policy_at(RunContext(store, run_id, validate_config({})), manifest)
+    with _LOADING:  # transformers builds a model on the meta device process-wide: one load at a time
+        return policy_at(RunContext(store, run_id, validate_config({})), manifest)
+
+
+_LOADING = threading.Lock()
 
 
 _RUNNERS: dict[tuple, TaskRunner] = {}

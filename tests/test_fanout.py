@@ -36,6 +36,35 @@ def test_shard_bounds_worked_example():
     assert shard_bounds([7], 4) == [(0, 1)]
 
 
+def test_threads_load_the_policy_one_at_a_time(tmp_path):
+    # Regression: with generation.runner=threads two shards loading the checkpoint at once failed ("Cannot copy
+    # out of meta tensor"): transformers builds models on the meta device process-wide.
+    import threading
+
+    from focus_core.policy import tiny_policy, train_tokenizer
+    from tasks.fanout import _policy
+
+    tiny_policy(train_tokenizer(["look up the answer"] * 20, vocab_size=300), layers=1, hidden=32, heads=2,
+                intermediate=64, max_context=256).save(tmp_path / "policy")
+    store = ArtifactStore(tmp_path / "runs")
+    manifest = store.commit("r", 0, "bootstrap", version="v", folders={"policy": tmp_path / "policy"})
+    start, loaded, errors = threading.Barrier(3), [], []
+
+    def load() -> None:
+        start.wait()
+        try:
+            loaded.append(_policy(store.root, "r", 0, "bootstrap", manifest.hash, threading.get_ident()))
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            errors.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len({id(p) for p in loaded}) == 3  # each thread its own copy
+
+
 def close_rows(mine: list[dict], theirs: list[dict], table: str) -> None:
     """Equal rows, floats within float-rounding of a batched forward of another shape (~1e-7 here)."""
 
