@@ -369,3 +369,14 @@ def test_config_to_dict_is_plain_data():
     data = config_to_dict(load_config(None, ["method=grpo"]))
     assert data["acquisition"] is None and data["critic"] is None
     assert yaml.safe_load(yaml.safe_dump(data)) == data
+
+
+@pytest.mark.parametrize(("overrides", "problem"), [
+    (["generation.backend=vllm", "agent.temperature=0.7"], "agent.temperature: the vllm backend records untempered"),
+    (["generation.backend=vllm", "generation.shards=2"], "generation.shards: with backend vllm the server batches"),
+    (["generation.runner=ray"], "generation.runner"),
+    (["lora.rank=0"], "lora.rank"),
+])
+def test_generation_and_lora_settings_that_cannot_work_fail_in_one_line(overrides, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(None, overrides)
