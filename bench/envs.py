@@ -22,7 +22,7 @@ from bench import emit_json
 from focus_core.agent.harness import AgentRunner
 from focus_core.agent.scripted import ScriptedActor
 from focus_core.config import AgentConfig
-from focus_core.envs.base import make_env
+from focus_core.envs import make_env
 from focus_core.policy.tokenizer import END, train_tokenizer
 
 ENVIRONMENTS = ("deep_search", "code_localization", "legal")

@@ -25,7 +25,7 @@ from bench import emit_json
 from focus_core.agent.harness import AgentRunner
 from focus_core.agent.sft import warm_start
 from focus_core.config import AgentConfig, BootstrapConfig, ModelConfig
-from focus_core.envs.base import make_env
+from focus_core.envs import make_env
 
 ENVIRONMENTS = ("deep_search", "code_localization", "legal")
 

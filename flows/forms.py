@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from focus_core.envs.base import environment_names
+from focus_core.envs import environment_names
 from focus_core.methods import METHODS
 
 SPEC_FOLDER = Path(__file__).resolve().parents[1] / "configs" / "compare"

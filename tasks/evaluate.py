@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from focus_core.artifacts import Manifest
-from focus_core.envs.trap_tools import TrapToolEnv, exact_evaluation
+from focus_core.envs.trap_tools import exact_evaluation
 from focus_core.rollouts import episode_id
 from focus_core.schemas import schema_for
 from tasks.fanout import play
@@ -53,10 +53,10 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     n = len(episodes)
     exact = None
     env = env_factory(ctx)()
-    if isinstance(env, TrapToolEnv) and agent.compression != "observation":
+    if env.has_exact_values and agent.compression != "observation":
         log.warning("[it %d] evaluate: no exact held-out success on %s without the Markov context (fix: "
                     "agent.compression=observation)", iteration, cfg.env.name)
-    elif isinstance(env, TrapToolEnv):
+    elif env.has_exact_values:
         exact = exact_evaluation(policy, env, chosen, agent)  # its figures join the stage's one log line
     table = pa.table({
         "run_id": [ctx.run_id] * n, "iteration": pa.array([iteration] * n, pa.int32()),

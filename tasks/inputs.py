@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from focus_core.artifacts import Manifest
-from focus_core.envs.base import Task, ToolEnv, make_env
+from focus_core.envs import make_env
+from focus_core.envs.base import Task, ToolEnv
 from focus_core.policy.base import Policy
 from focus_core.policy.hf import HFPolicy
 from focus_core.policy.models import load_policy

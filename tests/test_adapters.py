@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from focus_core.agent.toolcall import ToolCall
+from focus_core.envs import ENVIRONMENTS, make_env
 from focus_core.envs import browsecomp_plus as bcp
 from focus_core.envs import swebench_loc as swe
-from focus_core.envs.base import ENVIRONMENTS, make_env
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 QUERIES = FIXTURES / "browsecomp_plus" / "browsecomp_plus_decrypted.jsonl"

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from focus_core.agent.toolcall import ToolCall
+from focus_core.envs import ENVIRONMENTS, make_env
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
-from focus_core.envs.base import ENVIRONMENTS, make_env
 
 QUICK = ("textwrap", "colorsys", "pipes")  # pipes is a held-out module, the others train
 REPO_ROOT = Path(__file__).resolve().parents[1]

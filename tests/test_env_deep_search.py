@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from focus_core.envs import deep_search
-from focus_core.envs.base import ENVIRONMENTS, split_of
+from focus_core.envs import ENVIRONMENTS, deep_search
+from focus_core.envs.base import split_of
 from focus_core.envs.deep_search import (
     Constraint,
     DataIntegrityError,

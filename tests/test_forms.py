@@ -10,7 +10,7 @@ from flows.compare import compare
 from flows.forms import SPEC_FOLDER, CompareSettings, TrainSettings
 from flows.train import train
 from focus_core.config import load_config
-from focus_core.envs.base import environment_names
+from focus_core.envs import environment_names
 from focus_core.methods import METHODS
 
 

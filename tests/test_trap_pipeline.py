@@ -19,7 +19,7 @@ from focus_core.agent.harness import AgentRunner, SegmentStart
 from focus_core.agent.scripted import ScriptedActor, ScriptedGeneration
 from focus_core.agent.sft import warm_start
 from focus_core.config import AgentConfig, BootstrapConfig, ModelConfig
-from focus_core.envs.base import make_env
+from focus_core.envs import make_env
 from focus_core.envs.trap_tools import (
     HELDOUT_SEED_START,
     OFF_MENU,

@@ -112,6 +112,7 @@ class ToolEnv(abc.ABC):
     tools: ClassVar[tuple[ToolSpec, ...]]
     tiers: ClassVar[tuple[str, ...]] = ("default",)
     max_observation_chars: int = 1200
+    has_exact_values: ClassVar[bool] = False  # True: exact V^pi(s_0) by dynamic programme (the trap environments)
 
     def __init__(self, tier: str = "default") -> None:
         if tier not in self.tiers:
@@ -211,42 +212,3 @@ def _clip(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     return text[: limit - 20].rstrip() + " ... [truncated]"
-
-
-ENVIRONMENTS: dict[str, Callable[..., ToolEnv]] = {}
-
-
-def register_env(name: str) -> Callable[[type[ToolEnv]], type[ToolEnv]]:
-    def add(cls: type[ToolEnv]) -> type[ToolEnv]:
-        if name in ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is registered twice")
-        cls.name = name
-        ENVIRONMENTS[name] = cls
-        return cls
-
-    return add
-
-
-def _register_all() -> None:
-    # Importing the environment modules fills the registry; they load their data lazily.
-    from focus_core.envs import (  # noqa: F401
-        browsecomp_plus,
-        code_localization,
-        deep_search,
-        legal,
-        swebench_loc,
-        trap_tools,
-    )
-
-
-def environment_names() -> list[str]:
-    """Every registered environment's name (``env.name``), sorted."""
-    _register_all()
-    return sorted(ENVIRONMENTS)
-
-
-def make_env(name: str, **kwargs: Any) -> ToolEnv:
-    _register_all()
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVIRONMENTS))}")
-    return ENVIRONMENTS[name](**kwargs)

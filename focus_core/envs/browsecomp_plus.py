@@ -70,7 +70,8 @@ from typing import Any
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, data_dir, register_env, task_id
+from focus_core.envs import register_env
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, data_dir, task_id
 
 INDEX_VERSION = "bm25s-v1"  # bump when the tokeniser or the store changes: old caches are then ignored
 MAX_QUERY_CHARS, MAX_ANSWER_CHARS = 500, 500

@@ -78,6 +78,7 @@ import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import code_mutations as cm
+from focus_core.envs import register_env
 from focus_core.envs.base import (
     SPLITS,
     Task,
@@ -86,7 +87,6 @@ from focus_core.envs.base import (
     ToolResult,
     cached_tasks,
     data_dir,
-    register_env,
     split_of,
     task_id,
 )

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec, parse_tool_call
+from focus_core.envs import register_env
 from focus_core.envs.base import (
     Task,
     ToolEnv,
@@ -65,7 +66,6 @@ from focus_core.envs.base import (
     ToolResult,
     cached_tasks,
     ran_without_error,
-    register_env,
     split_of,
     task_id,
 )

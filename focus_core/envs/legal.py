@@ -92,6 +92,7 @@ from pathlib import Path
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
+from focus_core.envs import register_env
 from focus_core.envs.base import (
     Task,
     ToolEnv,
@@ -99,7 +100,6 @@ from focus_core.envs.base import (
     ToolResult,
     cached_tasks,
     ran_without_error,
-    register_env,
     split_of,
     task_id,
 )

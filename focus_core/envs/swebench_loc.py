@@ -60,7 +60,8 @@ import numpy as np
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, register_env, task_id
+from focus_core.envs import register_env
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, task_id
 from focus_core.envs.browsecomp_plus import read_records, record_files
 
 VERSION = "swebench-loc-v1"  # part of every task id

@@ -68,7 +68,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
-from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, register_env, task_id
+from focus_core.envs import register_env
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, task_id
 from focus_core.envs.traps import CombinationLock, ExactValueEnv, LookupChain
 
 GENERATOR_VERSION = 1  # bump when tasks change; part of every task id
@@ -93,6 +94,7 @@ class TrapToolEnv(ToolEnv):
     """A trap MDP behind the tool protocol: one task per structure seed, menus picked by ``first()``, ..."""
 
     tools = PICK_TOOLS
+    has_exact_values = True
     trap_class: ClassVar[type[ExactValueEnv]]
     defaults: ClassVar[dict[str, Any]]  # trap constructor arguments (all but the seed)
     prompt: ClassVar[str]
@@ -457,6 +459,6 @@ class ExactEvaluator:
 
 def exact_evaluation(policy: Any, env: ToolEnv, tasks: Sequence[Task], agent: Any) -> ExactEvaluation | None:
     """Exact V^π(s_0) of each task, or None when the environment has no exact values (not a trap environment)."""
-    if not isinstance(env, TrapToolEnv):
+    if not env.has_exact_values:
         return None
     return ExactEvaluator(policy, env, agent).evaluate(tasks)
