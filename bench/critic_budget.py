@@ -52,7 +52,7 @@ from focus_core.acquisition import (
     spearman,
 )
 from focus_core.advantages import segment_td_lambda_batch
-from focus_core.config import AcquisitionConfig, CriticConfig
+from focus_core.config import AcquisitionConfig, AdvantageConfig, CriticConfig
 from focus_core.critic import EnsembleCritic, out_of_bag_mean
 from focus_core.envs.traps import ExactValueEnv, make_trap_env
 from focus_core.features import hashed_text_features, with_scalar_features
@@ -77,7 +77,8 @@ class Settings:
     main_trajectories: int = 64
     paraphrase: bool = True  # distinct texts for equal states, as agent summaries are (see Paraphrased)
     rounds: int = 4  # the toy default of method.md §9.7
-    lam: float = 0.9
+    gamma: float = AdvantageConfig().gamma  # the pipeline defaults, from the one place they live
+    lam: float = AdvantageConfig().lam
     feature_dim: int = 64
     # hidden 64 fits as well as 256 here (measured) and keeps the full grid within minutes
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(hidden=64, steps=300, lr=1e-2))
@@ -216,7 +217,7 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
     occurrences = np.bincount(batch.state_idx[candidate_seg], minlength=n_main)[candidates]
     seg_of_state = np.zeros(n_main, dtype=np.int64)
     seg_of_state[batch.state_idx] = batch.segment_idx
-    weight = advantage_sensitivity(seg_of_state[candidates], lam=settings.lam) * occurrences
+    weight = advantage_sensitivity(seg_of_state[candidates], gamma=settings.gamma, lam=settings.lam) * occurrences
     # Continuation cost estimate: mean remaining tokens of main trajectories at that segment index.
     mean_remaining = {k: batch.remaining_tokens[batch.segment_idx == k].mean() for k in np.unique(batch.segment_idx)}
     cost = np.array([max(mean_remaining[seg_of_state[s]], 1.0) for s in candidates])
@@ -268,9 +269,10 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
     mc_n = np.where(candidate_seg, branch_n[batch.state_idx], own_n[batch.state_idx])
     mc_sum = np.where(candidate_seg, branch_sum[batch.state_idx], own_sum[batch.state_idx])
     value, _ = combine_estimates(mean, var + settings.acquisition.jitter, np.divide(mc_sum, np.maximum(mc_n, 1)), mc_n)
-    adv, _ = segment_td_lambda_batch(batch.rewards, segment_values(batch, value), batch.lengths, lam=settings.lam)
+    adv, _ = segment_td_lambda_batch(batch.rewards, segment_values(batch, value), batch.lengths,
+                                     gamma=settings.gamma, lam=settings.lam)
     adv_true, _ = segment_td_lambda_batch(batch.rewards, segment_values(batch, truth[batch.state_idx]),
-                                          batch.lengths, lam=settings.lam)
+                                          batch.lengths, gamma=settings.gamma, lam=settings.lam)
     decided = np.abs(adv_true) > 1e-9
     return {
         "critic_mse": critic_mse,

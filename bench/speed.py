@@ -22,8 +22,14 @@ import torch
 from bench import emit_json
 from focus_core.acquisition import Candidates, Request, allocate
 from focus_core.advantages import segment_td_lambda_batch
-from focus_core.config import AcquisitionConfig, CriticConfig
+from focus_core.config import AcquisitionConfig, AdvantageConfig, CriticConfig
 from focus_core.critic import EnsembleCritic
+
+ADVANTAGE = AdvantageConfig()  # γ and λ as the pipeline uses them by default
+
+
+def td_lambda(rewards, values, lengths):  # noqa: ANN001, ANN202
+    return segment_td_lambda_batch(rewards, values, lengths, gamma=ADVANTAGE.gamma, lam=ADVANTAGE.lam)
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -49,12 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     rewards, values = rng.random(n), rng.random(n + len(lengths))
     results["segment_td_lambda_numpy"] = {
         "segments": n, "trajectories": len(lengths), "target_s": 1.0,
-        "seconds": best_of(lambda: segment_td_lambda_batch(rewards, values, lengths, lam=0.9), args.repeats),
+        "seconds": best_of(lambda: td_lambda(rewards, values, lengths), args.repeats),
     }
     rewards_t, values_t = torch.from_numpy(rewards), torch.from_numpy(values)
     results["segment_td_lambda_torch"] = {
         "segments": n, "trajectories": len(lengths), "target_s": 1.0,
-        "seconds": best_of(lambda: segment_td_lambda_batch(rewards_t, values_t, lengths, lam=0.9), args.repeats),
+        "seconds": best_of(lambda: td_lambda(rewards_t, values_t, lengths), args.repeats),
     }
 
     # 5,000 candidates; costs ~ remaining tokens; budget = half the tokens of the states' trajectories.

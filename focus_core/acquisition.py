@@ -774,7 +774,7 @@ def novelty(candidates: Candidates, request: Request) -> Allocation:
 # --------------------------------------------------------------------------------------------
 
 
-def advantage_sensitivity(segment_idx: np.ndarray, *, gamma: float = 1.0, lam: float = 0.9) -> np.ndarray:
+def advantage_sensitivity(segment_idx: np.ndarray, *, gamma: float, lam: float) -> np.ndarray:
     """W_k = Σ_j (∂A_j/∂V(s_k))² = 1 + Σ_{m<k} (γ(1−λ))² (γλ)^{2m}  (method.md §5.3, T6).
 
     How much a squared error in V(s_k) inflates the squared error of all segment advantages.

@@ -110,8 +110,8 @@ def segment_td_lambda(
     rewards: Array,
     values: Array,
     *,
-    gamma: float | Array = 1.0,
-    lam: float = 0.9,
+    gamma: float | Array,
+    lam: float,
     trace: Array | None = None,
 ) -> tuple[Array, Array]:
     """TD(λ) advantages over the K segments of one trajectory.
@@ -166,8 +166,8 @@ def segment_td_lambda_batch(
     values: Array,
     lengths: Array,
     *,
-    gamma: float | Array = 1.0,
-    lam: float = 0.9,
+    gamma: float | Array,
+    lam: float,
     trace: Array | None = None,
 ) -> tuple[Array, Array]:
     """Vectorised ``segment_td_lambda`` over a ragged batch.
@@ -315,7 +315,7 @@ def _check_gae_inputs(token_rewards: Array, token_values: Array, mask: Array) ->
 
 
 def gae(
-    token_rewards: Array, token_values: Array, mask: Array, *, gamma: float = 1.0, lam: float = 1.0
+    token_rewards: Array, token_values: Array, mask: Array, *, gamma: float, lam: float
 ) -> tuple[Array, Array]:
     """GAE over policy tokens only, for a padded batch [B, T] (or one sequence [T]).
 

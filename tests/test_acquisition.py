@@ -28,9 +28,9 @@ T9_COST = np.array([1000.0, 600.0, 300.0])
 
 def test_t6_sensitivity_weights():
     k = np.arange(4)
-    np.testing.assert_allclose(advantage_sensitivity(k, lam=0.5), [1, 1.25, 1.3125, 1.328125])
-    np.testing.assert_allclose(advantage_sensitivity(k, lam=0.0), [1, 2, 2, 2])
-    np.testing.assert_allclose(advantage_sensitivity(k, lam=1.0), [1, 1, 1, 1])
+    np.testing.assert_allclose(advantage_sensitivity(k, gamma=1.0, lam=0.5), [1, 1.25, 1.3125, 1.328125])
+    np.testing.assert_allclose(advantage_sensitivity(k, gamma=1.0, lam=0.0), [1, 2, 2, 2])
+    np.testing.assert_allclose(advantage_sensitivity(k, gamma=1.0, lam=1.0), [1, 1, 1, 1])
 
 
 def test_t6_weights_match_the_derivative_definition():

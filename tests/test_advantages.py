@@ -38,10 +38,10 @@ def test_t1_segment_td_lambda():
 
 
 def test_t2_limits_lambda_zero_is_vineppo_and_one_is_return_minus_value():
-    adv0, _ = segment_td_lambda(R_T1, V_T1, lam=0.0)
+    adv0, _ = segment_td_lambda(R_T1, V_T1, gamma=1.0, lam=0.0)
     np.testing.assert_allclose(adv0, [0.1, -0.3, 0.5, 0.2], atol=1e-12)
     np.testing.assert_allclose(vineppo_advantages(R_T1, V_T1)[0], adv0)
-    adv1, _ = segment_td_lambda(R_T1, V_T1, lam=1.0)
+    adv1, _ = segment_td_lambda(R_T1, V_T1, gamma=1.0, lam=1.0)
     np.testing.assert_allclose(adv1, [0.5, 0.4, 0.7, 0.2], atol=1e-12)
 
 
@@ -53,7 +53,7 @@ def test_t3_per_segment_discount():
 def test_t4_token_length_aware_trace():
     trace = token_length_trace(np.array([100, 300, 200, 400]), lambda_for_halflife(200))
     np.testing.assert_allclose(trace, [0.707107, 0.353553, 0.5, 0.25], atol=1e-6)
-    adv, _ = segment_td_lambda(R_T1, V_T1, gamma=1.0, trace=trace)
+    adv, _ = segment_td_lambda(R_T1, V_T1, gamma=1.0, lam=0.9, trace=trace)
     np.testing.assert_allclose(adv, [0.037868, -0.087868, 0.6, 0.2], atol=1e-6)
 
 
@@ -97,13 +97,14 @@ def _random_batch(lengths, seed):
 def test_segment_td_lambda_batch_equals_loop(lengths, seed, lam, gamma):
     rewards, values, trace = _random_batch(lengths, seed)
     adv, ret = segment_td_lambda_batch(rewards, values, np.array(lengths), gamma=gamma, lam=lam)
-    adv_t, _ = segment_td_lambda_batch(rewards, values, np.array(lengths), gamma=gamma, trace=trace)
+    adv_t, _ = segment_td_lambda_batch(rewards, values, np.array(lengths), gamma=gamma, lam=0.9, trace=trace)
     r0, v0 = 0, 0
     for k in lengths:
         a, g = segment_td_lambda(rewards[r0:r0 + k], values[v0:v0 + k + 1], gamma=gamma, lam=lam)
         np.testing.assert_allclose(adv[r0:r0 + k], a, atol=1e-12)
         np.testing.assert_allclose(ret[r0:r0 + k], g, atol=1e-12)
-        a_t, _ = segment_td_lambda(rewards[r0:r0 + k], values[v0:v0 + k + 1], gamma=gamma, trace=trace[r0:r0 + k])
+        a_t, _ = segment_td_lambda(rewards[r0:r0 + k], values[v0:v0 + k + 1], gamma=gamma, lam=0.9,
+                                   trace=trace[r0:r0 + k])
         np.testing.assert_allclose(adv_t[r0:r0 + k], a_t, atol=1e-12)
         r0, v0 = r0 + k, v0 + k + 1
 
@@ -113,12 +114,13 @@ def test_segment_td_lambda_batch_equals_loop(lengths, seed, lam, gamma):
 def test_batch_forms_agree_between_numpy_and_torch(lengths, seed):
     rewards, values, _ = _random_batch(lengths, seed)
     lengths = np.array(lengths)
-    a_np, _ = segment_td_lambda_batch(rewards, values, lengths, lam=0.7)
-    a_t, _ = segment_td_lambda_batch(torch.tensor(rewards), torch.tensor(values), torch.tensor(lengths), lam=0.7)
+    a_np, _ = segment_td_lambda_batch(rewards, values, lengths, gamma=1.0, lam=0.7)
+    a_t, _ = segment_td_lambda_batch(torch.tensor(rewards), torch.tensor(values), torch.tensor(lengths),
+                                     gamma=1.0, lam=0.7)
     assert isinstance(a_t, torch.Tensor)
     np.testing.assert_allclose(a_t.numpy(), a_np, atol=1e-12)
     v_np, _ = vineppo_advantages_batch(rewards, values, lengths)
-    np.testing.assert_allclose(v_np, segment_td_lambda_batch(rewards, values, lengths, lam=0.0)[0])
+    np.testing.assert_allclose(v_np, segment_td_lambda_batch(rewards, values, lengths, gamma=1.0, lam=0.0)[0])
 
 
 @settings(max_examples=40, deadline=None)
@@ -127,8 +129,8 @@ def test_lambda_limits_on_random_batches(lengths, seed):
     """λ=0 is r + V(next) − V; λ=1 (γ=1) is the return-to-go minus V, for every segment."""
     rewards, values, _ = _random_batch(lengths, seed)
     lengths = np.array(lengths)
-    adv0, _ = segment_td_lambda_batch(rewards, values, lengths, lam=0.0)
-    adv1, _ = segment_td_lambda_batch(rewards, values, lengths, lam=1.0)
+    adv0, _ = segment_td_lambda_batch(rewards, values, lengths, gamma=1.0, lam=0.0)
+    adv1, _ = segment_td_lambda_batch(rewards, values, lengths, gamma=1.0, lam=1.0)
     r0, v0 = 0, 0
     for k in lengths:
         r, v = rewards[r0:r0 + k], values[v0:v0 + k + 1]
@@ -202,18 +204,18 @@ def test_gae_masked_value_invariance(seed, b, t):
     """Randomising the values at masked (environment) positions changes no advantage."""
     rewards, values, mask, rng = _gae_batch(seed, b, t)
     scrambled = np.where(mask == 1, values, rng.normal(scale=100.0, size=values.shape))
-    a1, r1 = gae(rewards, values, mask, lam=0.95)
-    a2, r2 = gae(rewards, scrambled, mask, lam=0.95)
+    a1, r1 = gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    a2, r2 = gae(rewards, scrambled, mask, gamma=1.0, lam=0.95)
     np.testing.assert_array_equal(a1, a2)
     np.testing.assert_array_equal(r1, r2)
     assert (a1[mask == 0] == 0).all()
 
 
 def test_gae_single_sequence_and_reward_on_masked_token_is_an_error():
-    adv, _ = gae(np.array([0.0, 0.0, 1.0]), np.array([0.2, 9.0, 0.5]), np.array([1, 0, 1]))
+    adv, _ = gae(np.array([0.0, 0.0, 1.0]), np.array([0.2, 9.0, 0.5]), np.array([1, 0, 1]), gamma=1.0, lam=1.0)
     np.testing.assert_allclose(adv, [0.8, 0.0, 0.5])  # λ=γ=1: R − V on policy tokens
     with pytest.raises(ValueError, match="masked"):
-        gae(np.array([0.0, 1.0]), np.zeros(2), np.array([1, 0]))
+        gae(np.array([0.0, 1.0]), np.zeros(2), np.array([1, 0]), gamma=1.0, lam=1.0)
 
 
 # ---------------------------------------------------------------------------- broadcast & misc
@@ -242,9 +244,9 @@ def test_broadcast_rejects_mismatched_mask():
 
 def test_shape_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"values \[K\+1\]"):
-        segment_td_lambda(np.zeros(3), np.zeros(3))
+        segment_td_lambda(np.zeros(3), np.zeros(3), gamma=1.0, lam=0.9)
     with pytest.raises(ValueError, match="sum\\(lengths\\)"):
-        segment_td_lambda_batch(np.zeros(3), np.zeros(4), np.array([2, 1]))
+        segment_td_lambda_batch(np.zeros(3), np.zeros(4), np.array([2, 1]), gamma=1.0, lam=0.9)
 
 
 def _pipeline_batch(rng, episodes=5):
@@ -282,7 +284,7 @@ def test_registry_entries_compute_what_the_formulas_say():
     np.testing.assert_allclose(get_advantage_estimator("rloo")(batch, config).advantage,
                                np.repeat(per_episode, batch.lengths))
     flat = np.insert(batch.values, np.cumsum(batch.lengths), 0.0)
-    expected, _ = segment_td_lambda_batch(batch.rewards, flat, batch.lengths, lam=0.7)
+    expected, _ = segment_td_lambda_batch(batch.rewards, flat, batch.lengths, gamma=1.0, lam=0.7)
     np.testing.assert_allclose(get_advantage_estimator("segment_td_lambda")(batch, config).advantage, expected)
     # gae: one episode's tokens over its segments, in order, equal gae on the concatenation.
     result = get_advantage_estimator("gae")(batch, config)
