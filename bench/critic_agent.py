@@ -52,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.critic_budget import _nan_to_none, add_output_options, chosen_grid, render, write_outputs
+from bench.critic_budget import add_output_options, chosen_grid, nan_to_none, render, write_outputs
 from focus_core.acquisition import (
     STRATEGIES,
     Candidates,
@@ -121,7 +121,7 @@ def pipeline_config(env: str, settings: Settings, init: str | None) -> FocusConf
 
 
 def run_id_of(env: str, settings: Settings, init: str | None) -> str:
-    from focus_core.schemas import content_id
+    from focus_core.ids import content_id
 
     return f"critic-agent-{env}-{content_id(env, repr(settings), init or '')[:8]}"
 
@@ -334,7 +334,7 @@ def replay(data: AgentData, strategy: str, budget: float, seed: int, split: np.n
         "sign_acc": float(np.mean(np.sign(adv[decided]) == np.sign(adv_true[decided]))) if decided.any() else 1.0,
         "spent_tokens": spent, "budget_cut": cut, "pool_short": short,
         "branched_states": int((taken > 0).sum()), "candidate_states": s,
-        "spearman": _nan_to_none(float(np.nanmean(spearmans)) if np.isfinite(spearmans).any() else float("nan")),
+        "spearman": nan_to_none(float(np.nanmean(spearmans)) if np.isfinite(spearmans).any() else float("nan")),
     }
 
 

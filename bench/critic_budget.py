@@ -283,11 +283,11 @@ def run_strategy(env, policy, table: StateTable, batch: MainBatch, truth: np.nda
         "candidate_states": len(candidates),
         # Mean over rounds of the Spearman correlation between the strategy's scores and |μ − V^π| of the critic
         # it read (None for the uniform rules, whose scores are all equal).
-        "spearman": _nan_to_none(float(np.nanmean(spearmans)) if np.isfinite(spearmans).any() else float("nan")),
+        "spearman": nan_to_none(float(np.nanmean(spearmans)) if np.isfinite(spearmans).any() else float("nan")),
     }
 
 
-def _nan_to_none(x: float) -> float | None:
+def nan_to_none(x: float) -> float | None:
     return None if x is None or not np.isfinite(x) else float(x)
 
 
@@ -361,7 +361,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 gap, gap_se = gap_captured(np.array([uniform[k] for k in paired]),
                                            np.array([by_seed[k] for k in paired]),
                                            np.array([oracle[k] for k in paired]))
-                cell["oracle_gap_captured"], cell["oracle_gap_captured_se"] = _nan_to_none(gap), _nan_to_none(gap_se)
+                cell["oracle_gap_captured"], cell["oracle_gap_captured_se"] = nan_to_none(gap), nan_to_none(gap_se)
         out.append(cell)
     return out
 

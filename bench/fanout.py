@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from focus_core.config import config_to_dict, load_config
     from tasks import rollout
     from tasks.bootstrap import bootstrap
-    from tasks.fanout import _runner
+    from tasks.fanout import task_runner
     from tasks.stage import RunContext
 
     overrides = [f"env.name={args.env}", "method=focus", f"budget.prompts_per_iteration={args.prompts}",
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster_s = 0.0
             if shards > 1:
                 started = time.perf_counter()
-                _runner(sharded.generation)  # the local cluster, started once per process
+                task_runner(sharded.generation)  # the local cluster, started once per process
                 cluster_s = time.perf_counter() - started
             with tempfile.TemporaryDirectory() as scratch:
                 started = time.perf_counter()

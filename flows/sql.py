@@ -28,7 +28,8 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
-from focus_core.artifacts import COMPUTE_TIMING, PARTS_OF_COMPUTE, ArtifactStore, Manifest, canonical_json
+from focus_core.artifacts import COMPUTE_TIMING, PARTS_OF_COMPUTE, ArtifactStore, Manifest
+from focus_core.ids import canonical_json
 from focus_core.schemas import TABLES, empty_table
 
 # Each entry: name -> (one-line description, SQL). The main rollouts of an iteration are the rows the

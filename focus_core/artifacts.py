@@ -45,7 +45,6 @@ import contextlib
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import socket
@@ -59,10 +58,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from focus_core.ids import canonical_json, plain_data
 from focus_core.schemas import SCHEMA_VERSION, SchemaError, validate_table
 
 MANIFEST_NAME = "_manifest.json"
@@ -97,39 +96,7 @@ class StoreUnavailable(ArtifactError):
     store error that a later retry can cure (the stages' Prefect retries wait for it, ``tasks/stage.py``)."""
 
 
-# --- pure helpers: canonical JSON, stage versions, seeds ---------------------------------------------------
-
-
-def canonical_json(value: Any, where: str = "value") -> str:
-    """Deterministic JSON of plain data: sorted keys, no whitespace, finite floats, str keys only.
-
-    Numpy scalars become Python numbers and tuples become lists; anything else that is not JSON data
-    raises TypeError naming ``where`` (e.g. ``config.lr``), because its repr might not be stable.
-    """
-    return json.dumps(_plain(value, where), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _plain(value: Any, where: str) -> Any:
-    if isinstance(value, np.generic):
-        value = value.item()
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where}: non-finite number {value}; JSON artifacts hold finite numbers only")
-        return value
-    if isinstance(value, Mapping):
-        plain = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where}: key {key!r} is not a string; use string keys")
-            plain[key] = _plain(item, f"{where}.{key}")
-        return plain
-    if isinstance(value, list | tuple):
-        return [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
-    raise TypeError(
-        f"{where}: {type(value).__name__} is not JSON data; pass str, int, float, bool, None, lists or dicts"
-    )
+# --- stage versions (canonical JSON and seeds: focus_core/ids.py) ---------------------------------------------------
 
 
 def _sha256(data: bytes | str) -> str:
@@ -157,16 +124,6 @@ def stage_version(
         "schema_version": schema_version,
     }
     return _sha256(canonical_json(inputs, "stage_version inputs"))
-
-
-def derive_seed(run_seed: int, iteration: int, stage: str, *keys: str | int) -> int:
-    """A 63-bit seed from (run seed, iteration, stage, keys...), e.g. keys = (state_id, branch_index).
-
-    A resumed stage derives the same seeds as an uninterrupted one, and distinct key tuples give
-    independent seeds (sha256), unlike ``run_seed + iteration``-style arithmetic.
-    """
-    digest = hashlib.sha256(canonical_json(["focus.seed", run_seed, iteration, stage, *keys]).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def _now() -> str:
@@ -437,7 +394,7 @@ class ArtifactStore:
             local_folders[name] = Path(folder)
         try:
             fields = {"upstream": upstream, "seeds": seeds, "timings": timings, "figures": figures}
-            plain = {key: _plain(dict(value or {}), key) for key, value in fields.items()}
+            plain = {key: plain_data(dict(value or {}), key) for key, value in fields.items()}
             if not all(isinstance(value, str) for value in plain["upstream"].values()):
                 raise TypeError("upstream: values must be manifest hashes (str)")
             if not all(isinstance(value, int | float) and value >= 0 for value in plain["timings"].values()):
@@ -652,7 +609,7 @@ class ArtifactStore:
         status = info.get("status")
         if status is not None and status not in RUN_STATUSES:
             raise ValueError(f"run status {status!r} is not one of {list(RUN_STATUSES)}")
-        merged = {**(self.run_info(run_id) or {}), **_plain(dict(info), "run info")}
+        merged = {**(self.run_info(run_id) or {}), **plain_data(dict(info), "run info")}
         now = _now()
         merged.update(kind=RUN_INFO_KIND, run_id=run_id, updated_at=now)
         merged.setdefault("created_at", now)

@@ -314,7 +314,7 @@ def sequence_logprobs(
     batched as in ``policy_update``: what a reference model, or a re-score of another backend's samples, needs.
     The default temperature 1 gives the untempered log-probs that ``Policy.score`` returns."""
     _check_temperature(temperature, "sequence_logprobs")
-    return _teacher_forced(
+    return teacher_forced(
         model,
         sequences,
         batch_tokens,
@@ -515,7 +515,7 @@ def _collate_targets(arrays: Sequence[np.ndarray], device: torch.device) -> torc
     return torch.from_numpy(out).to(device)
 
 
-def _teacher_forced(
+def teacher_forced(
     model: torch.nn.Module,
     sequences: Sequence[SequenceLike],
     batch_tokens: int,
@@ -569,7 +569,7 @@ def _minibatch_loss(
     """(loss, its logged parts, detached new log-probs [rows, width]) of one minibatch. ``scale`` multiplies the
     clipped surrogate, ``token_weight`` the token means (KL, entropy, value, clip fraction): both 1 but in a
     data-parallel update, where they are this process's share of the minibatch."""
-    hidden = _trained_hidden(model, batch)
+    hidden = trained_hidden(model, batch)
     logits = _logits(model, hidden, temperature)
     new = _gather_logprobs(logits, batch)
     _check_finite(
@@ -638,7 +638,7 @@ def _value_loss(
     return 0.5 * error.mean()
 
 
-def _trained_hidden(model: torch.nn.Module, batch: _Minibatch) -> torch.Tensor:
+def trained_hidden(model: torch.nn.Module, batch: _Minibatch) -> torch.Tensor:
     """The decoder's final hidden states [trained tokens, hidden] at the positions whose target is trained, in
     row-major order: the state in which each trained token is generated."""
     positions = torch.arange(batch.inputs.shape[1], device=batch.inputs.device).expand_as(batch.inputs)
@@ -654,16 +654,16 @@ def _logits(model: torch.nn.Module, hidden: torch.Tensor, temperature: float) ->
 
 def _trained_logits(model: torch.nn.Module, batch: _Minibatch, temperature: float) -> torch.Tensor:
     """fp32 logits / temperature [trained tokens, vocab] at the positions whose target is trained, row-major."""
-    return _logits(model, _trained_hidden(model, batch), temperature)
+    return _logits(model, trained_hidden(model, batch), temperature)
 
 
 def _gather_logprobs(logits: torch.Tensor, batch: _Minibatch) -> torch.Tensor:
     """log_softmax(logits) of the trained targets, scattered back to [rows, width] with 0 elsewhere."""
     picked = torch.log_softmax(logits, dim=-1).gather(1, batch.targets[batch.mask][:, None])[:, 0]
-    return _scatter(picked, batch.mask)
+    return scatter_masked(picked, batch.mask)
 
 
-def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def scatter_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One value per True of ``mask`` (row-major) back to ``mask``'s shape, 0 elsewhere."""
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 

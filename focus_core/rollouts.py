@@ -22,7 +22,7 @@ tool < context < policy/summary, which is a total order for everything the harne
 function here depends on the physical order of rows in a table. The first row of every segment is the
 context row that starts it (the full rendered [system, user] context), whose text is the user message.
 
-Ids are content-derived (``schemas.content_id``), so a resumed run produces the same ids. A state id
+Ids are content-derived (``focus_core.ids``), so a resumed run produces the same ids. A state id
 covers (task, segment index, context tokens) only, so several episodes can visit one state (every main
 episode of a task starts in the same s_0): ``state_id`` is not a row key of ``states``; the key is
 (episode_id, segment_idx).
@@ -42,25 +42,10 @@ from focus_core.advantages import broadcast_segments
 from focus_core.agent.harness import AgentEpisode, SegmentStart
 from focus_core.envs.base import Task
 from focus_core.policy.tokenizer import chat_ids
-from focus_core.schemas import ROLLOUT_ROLES, content_id, schema_for, validate_table
+from focus_core.schemas import ROLLOUT_ROLES, schema_for, validate_table
 
 # Rank of a role among rows sharing (segment_idx, turn_idx); see "Row order" above.
 _ROLE_RANK = {"tool": 0, "context": 1, "policy": 2, "summary": 2}
-
-
-# --- ids ---------------------------------------------------------------------------------------------
-
-
-def episode_id(run_id: str, iteration: int, task_id: str, kind: str, *keys: Any) -> str:
-    """Id of one episode: ``kind`` is e.g. "main" or "branch"; ``keys`` tell episodes of one kind apart
-    (the sample index within a task's group, or a branch's state id, round and index)."""
-    return content_id("episode", run_id, int(iteration), task_id, kind, list(keys))
-
-
-def branch_id(state_id: str, round: int, index: int) -> str:
-    """Id of continuation ``index`` allocated to a state in acquisition ``round`` (unique per iteration;
-    the same state recurs across iterations, so join on run_id and iteration too)."""
-    return content_id("branch", state_id, int(round), int(index))
 
 
 # --- episodes -> rollouts + episodes tables ----------------------------------------------------------

@@ -10,7 +10,7 @@ Conventions shared by all tables:
   ``segment_idx``, ``state_id``, ``branch_id``, ``policy_version``. A table carries a key only where the
   key means something for its rows. Keys are non-nullable unless a comment says for which rows the key
   does not apply.
-* Ids are content-derived (``content_id``), never random, so that a resumed run produces the same ids.
+* Ids are content-derived (``focus_core.ids.content_id``), never random, so that a resumed run produces the same ids.
 * Token counts are int64; indices and small counts are int32; scalar statistics are float64; per-token
   lists (sampling logprobs, features) are float32 to keep rollout tables small.
 * Non-finite floats never reach storage: ``validate_table`` rejects NaN and inf, also inside lists.
@@ -21,12 +21,9 @@ Every column's meaning is written next to it below and also stored in the field 
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -520,53 +517,3 @@ def _check_aligned_lists(table_name: str, table: pa.Table) -> None:
                 f"table {table_name!r}: columns {names[0]!r} and {name!r} have different lengths at "
                 f"row {row}; per-token lists must have one entry per token"
             )
-
-
-# --- content-derived ids -----------------------------------------------------------------------------
-
-
-def content_id(*parts: Any) -> str:
-    """A stable 16-hex-digit id derived from the parts (blake2b, 8 bytes).
-
-    Stable across processes and machines, unlike ``hash()``: every part is encoded canonically with a
-    type tag and a length prefix, so ("ab", "c") and ("a", "bc") differ. Supported parts: None, bool,
-    int, float, str, bytes, numpy scalars and arrays, and lists/tuples/dicts of these. Other objects
-    raise TypeError because their repr may contain memory addresses.
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        digest.update(_canonical_bytes(part))
-    return digest.hexdigest()
-
-
-def _tagged(tag: bytes, payload: bytes) -> bytes:
-    return tag + struct.pack("<Q", len(payload)) + payload
-
-
-def _canonical_bytes(part: Any) -> bytes:
-    if isinstance(part, np.generic):
-        part = part.item()
-    if part is None:
-        return _tagged(b"N", b"")
-    if isinstance(part, bool):  # before int: bool is a subclass of int
-        return _tagged(b"B", b"1" if part else b"0")
-    if isinstance(part, int):
-        return _tagged(b"I", str(part).encode())
-    if isinstance(part, float):
-        return _tagged(b"F", repr(part).encode())
-    if isinstance(part, str):
-        return _tagged(b"S", part.encode("utf-8"))
-    if isinstance(part, bytes | bytearray | memoryview):
-        return _tagged(b"Y", bytes(part))
-    if isinstance(part, np.ndarray):
-        header = f"{part.dtype.str}{part.shape}".encode()
-        return _tagged(b"A", _tagged(b"h", header) + np.ascontiguousarray(part).tobytes())
-    if isinstance(part, list | tuple):
-        return _tagged(b"L", b"".join(_canonical_bytes(item) for item in part))
-    if isinstance(part, dict):
-        items = sorted((_canonical_bytes(key), _canonical_bytes(value)) for key, value in part.items())
-        return _tagged(b"D", b"".join(key + value for key, value in items))
-    raise TypeError(
-        f"content_id cannot encode {type(part).__name__}; pass str, int, float, bytes, numpy data "
-        f"or lists/tuples/dicts of them"
-    )

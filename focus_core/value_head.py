@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from focus_core.ppo import SequenceLike, _scatter, _teacher_forced, _trained_hidden
+from focus_core.ppo import SequenceLike, scatter_masked, teacher_forced, trained_hidden
 
 TENSORS_FILE = "value_head.safetensors"
 METADATA_FILE = "value_head.json"
@@ -103,8 +103,8 @@ def token_values(
     was_training = model.training
     model.eval()  # the numerics of the sampler and of policy_update (no dropout)
     try:
-        return _teacher_forced(
-            model, sequences, batch_tokens, lambda batch: _scatter(head(_trained_hidden(model, batch)), batch.mask)
+        return teacher_forced(
+            model, sequences, batch_tokens, lambda batch: scatter_masked(head(trained_hidden(model, batch)), batch.mask)
         )
     finally:
         model.train(was_training)

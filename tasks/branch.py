@@ -19,8 +19,9 @@ import pyarrow as pa
 
 from focus_core.artifacts import Manifest
 from focus_core.budget import BudgetLedger
-from focus_core.rollouts import branch_id, episode_id, episode_tables, segment_starts
-from focus_core.schemas import content_id, schema_for
+from focus_core.ids import branch_id, content_id, episode_id
+from focus_core.rollouts import episode_tables, segment_starts
+from focus_core.schemas import schema_for
 from tasks.fanout import play
 from tasks.inputs import env_factory, generation_fields, generator_at, read, spent_tokens, tasks
 from tasks.progress import GenerationBar

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from focus_core.artifacts import Manifest
 from focus_core.envs.trap_tools import exact_evaluation
-from focus_core.rollouts import episode_id
+from focus_core.ids import episode_id
 from focus_core.schemas import schema_for
 from tasks.fanout import play
 from tasks.inputs import env_factory, generation_fields, generator_at, tasks

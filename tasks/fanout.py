@@ -92,7 +92,7 @@ def play(ctx: RunContext, policy_manifest: Manifest, policy: Policy, agent: Agen
                   tuple(episode_seeds[low:high]), seed, None if part is None else part.budget, kind, round_idx,
                   generation.runner == "dask")
             for (low, high), part in zip(bounds, parts, strict=True)]
-    runner = _runner(generation)
+    runner = task_runner(generation)
     futures = [runner.submit(play_shard, {"shard": shard}) for shard in work]
     episodes: list[AgentEpisode] = []
     finished = tokens = 0
@@ -164,7 +164,7 @@ _LOADING = threading.Lock()
 _RUNNERS: dict[tuple, TaskRunner] = {}
 
 
-def _runner(generation: GenerationConfig) -> TaskRunner:
+def task_runner(generation: GenerationConfig) -> TaskRunner:
     """The task runner of ``generation``, started once per process and kept for the next stages (a local Dask
     cluster takes seconds to start), closed at exit."""
     key = (generation.runner, generation.dask_address, generation.dask_workers, generation.shards)

@@ -29,8 +29,9 @@ from focus_core.artifacts import Manifest
 from focus_core.budget import BudgetLedger
 from focus_core.config import FocusConfig
 from focus_core.envs.base import Task
-from focus_core.rollouts import episode_id, episode_tables
-from focus_core.schemas import content_id, schema_for
+from focus_core.ids import content_id, episode_id
+from focus_core.rollouts import episode_tables
+from focus_core.schemas import schema_for
 from tasks.fanout import play
 from tasks.inputs import generation_fields, generator_at, tasks
 from tasks.progress import GenerationBar

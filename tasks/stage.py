@@ -37,8 +37,9 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable, derive_seed, stage_version
+from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable, stage_version
 from focus_core.config import FocusConfig, config_to_dict, execution_only_fields
+from focus_core.ids import derive_seed
 
 log = logging.getLogger("focus")
 

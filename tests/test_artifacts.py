@@ -31,11 +31,10 @@ from focus_core.artifacts import (
     ArtifactError,
     ArtifactStore,
     Manifest,
-    canonical_json,
-    derive_seed,
     stage_version,
 )
-from focus_core.schemas import SCHEMA_VERSION, SchemaError, content_id, validate_table
+from focus_core.ids import canonical_json, content_id, derive_seed
+from focus_core.schemas import SCHEMA_VERSION, SchemaError, validate_table
 
 RUN = "run-a"
 

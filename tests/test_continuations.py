@@ -15,14 +15,8 @@ from focus_core.agent.harness import AgentEpisode, SegmentStart, TurnRecord
 from focus_core.config import AdvantageConfig
 from focus_core.continuations import continuation_values, observed_returns, update_sequences
 from focus_core.envs.base import Task
-from focus_core.rollouts import (
-    branch_id,
-    episode_id,
-    episode_tables,
-    states_table,
-    token_advantages,
-    training_sequences,
-)
+from focus_core.ids import branch_id, episode_id
+from focus_core.rollouts import episode_tables, states_table, token_advantages, training_sequences
 
 RUN = "run-c"
 TASK = Task("task-c", "synthetic", "train", "default", "Solve it.", "x", "x")

@@ -23,6 +23,7 @@ from focus_core.agent.toolcall import ToolCall
 from focus_core.envs import ENVIRONMENTS, make_env
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
+from focus_core.envs.text import cut
 
 QUICK = ("textwrap", "colorsys", "pipes")  # pipes is a held-out module, the others train
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -273,7 +274,7 @@ def test_default_tier_reader_walks_in_order_and_out_of_place_calls_are_errors(qu
     assert quick.step("page()")[0].startswith("Error:")
     for fn in range(1, n + 1):
         observation = quick.step("next()")[0]
-        assert observation.split("\n")[0] == cl._cut(f["candidates"][fn - 1], 40)
+        assert observation.split("\n")[0] == cut(f["candidates"][fn - 1], 40)
         assert observation.split("\n")[-1].startswith(f"[fn {fn} of {n}, page 1/{f['pages'][fn - 1]}")
         for page in range(2, f["pages"][fn - 1] + 1):  # the footer may add "; raised here"
             footer = quick.step("page()")[0].split("\n")[-1]

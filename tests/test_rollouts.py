@@ -16,19 +16,18 @@ from focus_core.agent.harness import AgentEpisode, AgentRunner, SegmentStart, Tu
 from focus_core.agent.scripted import ScriptedActor
 from focus_core.config import AgentConfig
 from focus_core.envs.base import Task
+from focus_core.ids import branch_id, content_id, episode_id
 from focus_core.policy.models import tiny_policy
 from focus_core.policy.tokenizer import train_tokenizer
 from focus_core.rollouts import (
     SegmentSequence,
-    branch_id,
-    episode_id,
     episode_tables,
     segment_starts,
     states_table,
     token_advantages,
     training_sequences,
 )
-from focus_core.schemas import content_id, validate_table
+from focus_core.schemas import validate_table
 from tests.test_agent_harness import LookupEnv
 
 RUN, ITERATION, VERSION = "run-test", 3, 7

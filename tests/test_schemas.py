@@ -11,15 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from focus_core.schemas import (
-    SCHEMA_VERSION,
-    TABLES,
-    SchemaError,
-    content_id,
-    empty_table,
-    schema_for,
-    validate_table,
-)
+from focus_core.ids import content_id
+from focus_core.schemas import SCHEMA_VERSION, TABLES, SchemaError, empty_table, schema_for, validate_table
 
 JOIN_KEYS = {
     "run_id": pa.string(),
@@ -361,7 +354,7 @@ def test_content_id_is_short_hex_and_deterministic():
 
 
 def test_content_id_is_stable_across_processes():
-    code = "from focus_core.schemas import content_id; print(content_id('run-a', 3, {'b': 1.5, 'a': None}))"
+    code = "from focus_core.ids import content_id; print(content_id('run-a', 3, {'b': 1.5, 'a': None}))"
     # Python's own hash() of strings differs between these two processes; content_id must not.
     outputs = set()
     for hash_seed in ("1", "2"):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from focus_core.agent.toolcall import ToolCall, ToolCallError, ToolSpec, parse_tool_call
+from focus_core.ids import unit_fraction
 
 SPLITS = ("train", "heldout")
 
@@ -66,14 +67,7 @@ class ToolResult:
 
 def split_of(split_key: str, heldout_fraction: float, *, salt: str = "") -> str:
     """Deterministic split of a key: a stable hash puts ``heldout_fraction`` of keys in held-out."""
-    digest = hashlib.blake2b(f"{salt}\x00{split_key}".encode(), digest_size=8).digest()
-    return "heldout" if int.from_bytes(digest, "big") / 2**64 < heldout_fraction else "train"
-
-
-def task_id(env: str, *parts: Any) -> str:
-    """A short content id for a task: the same generator input always gives the same id."""
-    text = "\x00".join([env, *map(str, parts)])
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    return "heldout" if unit_fraction(f"{salt}\x00{split_key}") < heldout_fraction else "train"
 
 
 def data_dir() -> Path:

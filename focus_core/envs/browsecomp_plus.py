@@ -71,7 +71,9 @@ import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import register_env
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, data_dir, task_id
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, data_dir
+from focus_core.envs.text import english_words, ranked
+from focus_core.ids import task_id
 
 INDEX_VERSION = "bm25s-v1"  # bump when the tokeniser or the store changes: old caches are then ignored
 MAX_QUERY_CHARS, MAX_ANSWER_CHARS = 500, 500
@@ -166,14 +168,7 @@ def token_f1(prediction: str, gold: str) -> float:
 
 # -- the corpus: an SQLite store and a BM25 index, cached by corpus hash -----------------------------------------------
 
-_WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's default token pattern
 _FRONT_MATTER = re.compile(r"\A\s*---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.DOTALL)
-
-
-def _tokens(text: str) -> list[str]:
-    from bm25s.stopwords import STOPWORDS_EN
-
-    return [t for t in _WORD.findall(text.lower()) if t not in STOPWORDS_EN]
 
 
 def split_front_matter(text: str) -> tuple[str, str]:
@@ -219,7 +214,8 @@ def build_index(files: list[Path], folder: Path) -> None:
                                (len(token_ids), docid, title, str(row.get("url") or ""), body))
                 except sqlite3.IntegrityError:
                     raise BrowseCompPlusDataError(f"{where}: docid {docid!r} appears twice; {FIX_CORPUS}") from None
-                token_ids.append(array("I", (vocab.setdefault(t, len(vocab)) for t in _tokens(f"{title} {body}"))))
+                words = english_words(f"{title} {body}")
+                token_ids.append(array("I", (vocab.setdefault(t, len(vocab)) for t in words)))
         if not token_ids:
             raise BrowseCompPlusDataError(f"{files[0]}: the corpus has no documents; {FIX_CORPUS}")
         db.commit()
@@ -250,12 +246,11 @@ class Index:
     @functools.lru_cache(maxsize=4096)  # noqa: B019 (one Index per corpus, kept for the process)
     def search(self, query: str, k: int) -> tuple[tuple[int, float], ...]:
         """(row, score) of the top ``k`` documents; ties broken by corpus order, so results are deterministic."""
-        ids = [self.bm25.vocab_dict[t] for t in _tokens(query) if t in self.bm25.vocab_dict]
+        ids = [self.bm25.vocab_dict[t] for t in english_words(query) if t in self.bm25.vocab_dict]
         if not ids:
             return ()
         scores = np.round(self.bm25.get_scores_from_ids(ids).astype(np.float64), 4)
-        order = np.lexsort((np.arange(len(scores)), -scores))[:k]
-        return tuple((int(i), float(scores[i])) for i in order if scores[i] > 0)
+        return tuple((i, float(scores[i])) for i in ranked(scores, k))
 
     def by_row(self, row: int) -> tuple[str, str, str, str]:
         return self.db.execute("SELECT docid, title, url, body FROM docs WHERE row = ?", (row,)).fetchone()

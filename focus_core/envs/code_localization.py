@@ -74,22 +74,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import code_mutations as cm
 from focus_core.envs import register_env
-from focus_core.envs.base import (
-    SPLITS,
-    Task,
-    ToolEnv,
-    ToolFailure,
-    ToolResult,
-    cached_tasks,
-    data_dir,
-    split_of,
-    task_id,
-)
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, cached_tasks, data_dir, split_of
+from focus_core.envs.text import Bm25, cut, fit, identifier_words
+from focus_core.ids import task_id
 
 HELDOUT_FRACTION = 0.2
 SPLIT_SALT = "code_localization-v1"
@@ -129,15 +119,6 @@ READER_TURNS = (6, 20)
 
 # -- the repository: files, entity spans, BM25 over functions ---------------------------------------------------
 
-def _tokens(text: str) -> list[str]:
-    """Identifier-aware tokens: 'TextWrapper._wrap_chunks' -> textwrapper text wrapper wrap chunks ..."""
-    out = []
-    for word in re.findall(r"[A-Za-z0-9_]+", text):
-        parts = [p for p in re.split(r"_|(?<=[a-z0-9])(?=[A-Z])", word) if p]
-        out += [w.lower() for w in dict.fromkeys([word.strip("_"), *parts]) if len(w) > 1]  # ordered: stable sums
-    return out
-
-
 def _spans(text: str) -> list[tuple[int, int, str]]:
     """(first line, last line, qualname) of every entity of a file; innermost last."""
     try:
@@ -154,8 +135,6 @@ class Repo:
     """
 
     def __init__(self, modules: tuple[str, ...]) -> None:
-        import bm25s
-
         self.modules = modules
         self.files: dict[str, str] = {}
         for module in modules:
@@ -169,9 +148,8 @@ class Repo:
                 params = ", ".join(a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])
                 doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
                 self.entries.append((path, entity.qualname, f"({params}) {doc}".strip()))
-                corpus.append(_tokens(f"{module} {entity.qualname} {params} {doc}"))
-        self.index = bm25s.BM25()
-        self.index.index(corpus, show_progress=False)
+                corpus.append(identifier_words(f"{module} {entity.qualname} {params} {doc}"))
+        self.index = Bm25(corpus)
         self.position = {(path, qualname): i for i, (path, qualname, _) in enumerate(self.entries)}
         self.class_lines = [(path, number, line) for path, text in self.files.items() if path.startswith("tests/")
                             for number, line in enumerate(text.splitlines(), 1) if "class " in line]
@@ -187,12 +165,7 @@ class Repo:
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019
     def search(self, query: str, k: int) -> list[int]:
-        tokens = _tokens(query)
-        if not tokens:
-            return []
-        scores = self.index.get_scores(tokens)
-        order = np.lexsort((np.arange(len(scores)), -scores))  # by score, ties by position: deterministic
-        return [int(i) for i in order[:k] if scores[i] > 0]
+        return self.index.top(identifier_words(query), k)
 
 
 @functools.lru_cache(maxsize=4)
@@ -345,7 +318,7 @@ class CodeLocalizationEnv(ToolEnv):
             body = _reader_test(self.task)
         elif call.name == "trace":
             self._fn, self._page = 0, 0
-            body = "\n".join(_fit(f["trace"], self.tier.max_chars - 40))
+            body = "\n".join(fit(f["trace"], self.tier.max_chars - 40))
         elif call.name == "next":
             if not self._listed:
                 raise ToolFailure("no functions are listed yet; call test() first")
@@ -427,10 +400,10 @@ class CodeLocalizationEnv(ToolEnv):
         for file, name in self._files(full, rel):
             for number, line in enumerate(file.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
                 if pattern in line:
-                    hits.append(f"{name}:{number}: {_cut(line.strip(), self.tier.line_chars - 12)}")
+                    hits.append(f"{name}:{number}: {cut(line.strip(), self.tier.line_chars - 12)}")
         if not hits:
             return f"No line of {rel} contains {pattern!r}."
-        shown = _fit(hits[: self.tier.grep_hits], self.tier.max_chars - 40)
+        shown = fit(hits[: self.tier.grep_hits], self.tier.max_chars - 40)
         more = f" (first {len(shown)}; narrow the path)" if len(shown) < len(hits) else ""
         return f"{len(hits)} hits{more}:\n" + "\n".join(shown)
 
@@ -448,10 +421,10 @@ class CodeLocalizationEnv(ToolEnv):
         for index in repo.search(query, self.tier.search_k):
             path, qualname, summary = repo.entries[index]
             line = self._def_lines(path).get(qualname, "?")
-            results.append(_cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars * 2))
+            results.append(cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars * 2))
         if not results:
             return f"No function matches {query!r}."
-        return f"{len(results)} results:\n" + "\n".join(_fit(results, self.tier.max_chars - 20))
+        return f"{len(results)} results:\n" + "\n".join(fit(results, self.tier.max_chars - 20))
 
     def _def_lines(self, path: str) -> dict[str, int]:
         text = (self._workspace() / path).read_text(encoding="utf-8")  # the task's copy: the mutated file too
@@ -527,20 +500,6 @@ _HEADER = re.compile(r"^(\S+):(\d+)-(\d+)/\d+")
 
 # -- pages, plans and issues ------------------------------------------------------------------------------------
 
-def _cut(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _fit(lines: list[str], budget: int) -> list[str]:
-    """The longest prefix of ``lines`` (at least one) whose text fits in ``budget`` characters."""
-    kept: list[str] = []
-    for line in lines:
-        if kept and sum(len(k) + 1 for k in kept) + len(line) > budget:
-            break
-        kept.append(line)
-    return kept
-
-
 @functools.lru_cache(maxsize=256)
 def _spans_of(text: str) -> list[tuple[int, int, str]]:
     return _spans(text)
@@ -552,11 +511,11 @@ def _page(rel: str, text: str, start: int, tier: Tier) -> tuple[str, int]:
     if not 1 <= start <= max(len(lines), 1):
         raise ToolFailure(f"start must be between 1 and {len(lines)} for {rel}")
     inside = [q for first, last, q in _spans_of(text) if first <= start <= last]
-    where = f" {_cut(inside[-1], 40)}" if inside else ""
+    where = f" {cut(inside[-1], 40)}" if inside else ""
     window = lines[start - 1: start - 1 + tier.page_lines]
     indent = min((len(s) - len(s.lstrip()) for s in window if s.strip()), default=0)
     budget = tier.max_chars - len(f"{rel}:{start}-{start + len(window)}/{len(lines)}{where}") - 24
-    body = _fit([_cut(f"{start + i} {s[indent:].rstrip()}", tier.line_chars) for i, s in enumerate(window)], budget)
+    body = fit([cut(f"{start + i} {s[indent:].rstrip()}", tier.line_chars) for i, s in enumerate(window)], budget)
     end = start + len(body) - 1
     footer = f"next: start={end + 1}" if end < len(lines) else "end of file"
     return "\n".join([f"{rel}:{start}-{end}/{len(lines)}{where}", *body, footer]), end
@@ -612,7 +571,7 @@ def _issue(record: dict[str, Any], failure: dict[str, Any], tier: str) -> str:
     instruction = INDEX_INSTRUCTION if tier == "default" else INSTRUCTION
     exception = failure["exception"].split("\n")[0]
     head = f"{failure['kind']}: {test_method} ({test_class})"
-    return f"{head}\n{_cut(exception, max(40, 298 - len(head) - len(instruction)))}\n{instruction}"
+    return f"{head}\n{cut(exception, max(40, 298 - len(head) - len(instruction)))}\n{instruction}"
 
 
 # -- the default tier: a reader over the functions the failing test runs ----------------------------------------
@@ -761,20 +720,20 @@ def _trace(failure: dict[str, Any], module: str, candidates: list[str]) -> list[
         file, name = posixpath.basename(m[1]), m[3]
         listed = [i for i, q in enumerate(candidates, 1) if q.split(".")[-1] == name] if file == f"{module}.py" else []
         frames.append(f"{file}:{m[2]} in {name}" + (f" (fn {listed[0]})" if len(listed) == 1 else ""))
-    exception = _cut(failure["exception"].split("\n")[0], TIERS["default"].line_chars)
+    exception = cut(failure["exception"].split("\n")[0], TIERS["default"].line_chars)
     return ["traceback:", *frames[-6:], exception]
 
 
 def _reader_test(task: Task) -> str:
     """The failing test: the functions it runs, in file order, then its first code lines up to the last call."""
     f, width = task.facts, TIERS["default"].line_chars
-    listed = ", ".join(_cut(qualname, 30) for qualname in f["candidates"])
+    listed = ", ".join(cut(qualname, 30) for qualname in f["candidates"])
     text = _repo(tuple(f["pool"].split(","))).files[f["test_file"]]
     lines = text.splitlines()[f["test_def_line"] - 1: max(f["call_lines"])]
     indent = len(lines[0]) - len(lines[0].lstrip())
-    body = [_cut(line[indent:].rstrip(), width) for line in lines if line.strip() and not line.strip().startswith("#")]
+    body = [cut(line[indent:].rstrip(), width) for line in lines if line.strip() and not line.strip().startswith("#")]
     head = f"test {f['test_method']} runs {len(f['candidates'])} functions: {listed}"
-    return "\n".join(_fit([head, *body[:TIERS["default"].page_lines]], TIERS["default"].max_chars - 40))
+    return "\n".join(fit([head, *body[:TIERS["default"].page_lines]], TIERS["default"].max_chars - 40))
 
 
 def _reader_page(task: Task, fn: int, page: int) -> str:
@@ -789,10 +748,10 @@ def _reader_lines(f: dict[str, Any], fn: int, page: int) -> list[tuple[int, str]
     text = _mutated_text(f["pool"], f["path"], f["start"], f["end"], f["replacement"])
     lines = _function_lines(text, f["candidates"][fn - 1])[(page - 1) * tier.page_lines: page * tier.page_lines]
     raised = f["raised"][2] if f.get("raised") and f["raised"][0] == fn else None
-    shown = [(0, _cut(f["candidates"][fn - 1], 40))]
-    shown += [(number, _cut(line, tier.line_chars) + ("  <- raised here" if number == raised else ""))
+    shown = [(0, cut(f["candidates"][fn - 1], 40))]
+    shown += [(number, cut(line, tier.line_chars) + ("  <- raised here" if number == raised else ""))
               for number, line in lines]
-    return shown[:len(_fit([line for _, line in shown], tier.max_chars - 40))]
+    return shown[:len(fit([line for _, line in shown], tier.max_chars - 40))]
 
 
 def _reader_submit(task: Task, fn: int, page: int) -> ToolResult:

@@ -55,20 +55,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from focus_core.agent.toolcall import ToolCall, ToolSpec, parse_tool_call
 from focus_core.envs import register_env
-from focus_core.envs.base import (
-    Task,
-    ToolEnv,
-    ToolFailure,
-    ToolResult,
-    cached_tasks,
-    ran_without_error,
-    split_of,
-    task_id,
-)
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, cached_tasks, ran_without_error, split_of
+from focus_core.envs.text import Bm25, english_words
+from focus_core.ids import task_id
 
 DATA_PACKAGE = "countryinfo==1.0.1"
 # sha256 over the ASCII-named data/*.json files (name, NUL, sha256 of content), sorted by name. Non-ASCII names
@@ -214,14 +205,7 @@ def render_pages(country: Country, tier: str) -> list[str]:
     return [f"[{country.docid} p{i}/{len(bodies) - 1}] {country.name}. {body}" for i, body in enumerate(bodies)]
 
 
-_WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's own token pattern; its tokenize() is slow on single strings
-
-
-@functools.lru_cache(maxsize=65536)
-def _tokens(text: str) -> tuple[str, ...]:
-    from bm25s.stopwords import STOPWORDS_EN  # imported lazily: the registry imports this module
-
-    return tuple(t for t in _WORD.findall(text.lower()) if t not in STOPWORDS_EN)
+_words = functools.lru_cache(maxsize=65536)(english_words)  # snippets ask for the same texts again
 
 
 class Corpus:
@@ -229,32 +213,23 @@ class Corpus:
     top 3 (names inside other names, like Guinea in Guinea-Bissau, may rank second)."""
 
     def __init__(self, countries: list[Country]) -> None:
-        import bm25s
-
         self.countries = countries
         self.by_docid = {c.docid: c for c in countries}
         self.by_name = {c.name: c for c in countries}
-        documents = [list(_tokens(" ".join([c.name] * 5 + c.fields()))) for c in countries]
+        documents = [list(_words(" ".join([c.name] * 5 + c.fields()))) for c in countries]
         self.df = Counter(token for document in documents for token in set(document))  # for snippet anchors
-        self.bm25 = bm25s.BM25()
-        self.bm25.index(documents, show_progress=False)
+        self.bm25 = Bm25(documents, decimals=4)  # rounded scores: the order is stable across platforms
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - one corpus per process; search is pure
     def search(self, query: str, k: int) -> tuple[Country, ...]:
-        ids = [self.bm25.vocab_dict[t] for t in _tokens(query) if t in self.bm25.vocab_dict]
-        if not ids:
-            return ()
-        scores = np.round(self.bm25.get_scores(ids).astype(np.float64), 4)
-        # rounded scores with the index as tie-break keep the order stable across platforms
-        order = np.lexsort((np.arange(len(scores)), -scores))[:k]
-        return tuple(self.countries[i] for i in order if scores[i] > 0)
+        return tuple(self.countries[i] for i in self.bm25.top(_words(query), k))
 
     def snippet(self, country: Country, query: str, width: int) -> str:
         """The fact sentence sharing most words with the query, cut around its rarest shared word."""
-        words = set(_tokens(query))
+        words = set(_words(query))
         fields = country.fields()
-        best = max(fields, key=lambda f: (len(words & set(_tokens(f))), -fields.index(f)))
-        shared = sorted(words & set(_tokens(best)), key=lambda w: (self.df.get(w, 0), w))
+        best = max(fields, key=lambda f: (len(words & set(_words(f))), -fields.index(f)))
+        shared = sorted(words & set(_words(best)), key=lambda w: (self.df.get(w, 0), w))
         anchor = best.lower().find(shared[0]) if shared else 0
         start = anchor - 20 if anchor > width - 20 else 0
         text = ("..." if start else "") + best[start:]

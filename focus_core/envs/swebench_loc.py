@@ -55,14 +55,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
 from focus_core.envs import register_env
-from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult, task_id
+from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult
 from focus_core.envs.browsecomp_plus import read_records, record_files
+from focus_core.envs.text import Bm25, cut, fit, identifier_words
+from focus_core.ids import task_id
 
 VERSION = "swebench-loc-v1"  # part of every task id
 HIDDEN = frozenset({".git", ".hg", ".svn"})
@@ -264,8 +264,6 @@ class FunctionIndex:
     """BM25 over the functions of a checkout (names, parameters, first docstring line), as in code_localization."""
 
     def __init__(self, root: Path) -> None:
-        import bm25s
-
         self.entries: list[tuple[str, str, int, str]] = []  # (path, qualname, def line, summary)
         corpus = []
         for dirpath, dirnames, filenames in os.walk(root):
@@ -284,18 +282,12 @@ class FunctionIndex:
                     params = ", ".join(a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])
                     doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
                     self.entries.append((rel, entity.qualname, entity.def_line, f"({params}) {doc}".strip()))
-                    corpus.append(cl._tokens(f"{rel.removesuffix('.py')} {entity.qualname} {params} {doc}") or ["_"])
-        self.bm25 = bm25s.BM25()
-        if corpus:
-            self.bm25.index(corpus, show_progress=False)
+                    words = identifier_words(f"{rel.removesuffix('.py')} {entity.qualname} {params} {doc}")
+                    corpus.append(words or ["_"])
+        self.bm25 = Bm25(corpus)
 
     def search(self, query: str, k: int) -> list[int]:
-        tokens = [t for t in cl._tokens(query) if t in getattr(self.bm25, "vocab_dict", {})]
-        if not tokens:
-            return []
-        scores = self.bm25.get_scores(tokens)
-        order = np.lexsort((np.arange(len(scores)), -scores))  # by score, ties by position: deterministic
-        return [int(i) for i in order[:k] if scores[i] > 0]
+        return self.bm25.top(identifier_words(query), k)
 
 
 @functools.lru_cache(maxsize=8)
@@ -430,7 +422,7 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
                        if not e.is_symlink() and e.name not in HIDDEN)
         if not 0 <= start < max(len(names), 1):
             raise ToolFailure(f"start must be between 0 and {max(len(names) - 1, 0)}")
-        shown = cl._fit(names[start:], self.tier.max_chars - 80) if names else []
+        shown = fit(names[start:], self.tier.max_chars - 80) if names else []
         more = len(names) - start - len(shown)
         tail = f"\n(+{more} more: ls(path={rel!r}, start={start + len(shown)}))" if more else ""
         return f"{rel}/: " + " ".join(shown) + tail
@@ -439,11 +431,11 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
         if not query.strip() or len(query) > 200:
             raise ToolFailure("the query must be 1 to 200 characters")
         index = function_index(str(self.root))
-        results = [cl._cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars)
+        results = [cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars)
                    for path, qualname, line, summary in (index.entries[i] for i in index.search(query, TIER.search_k))]
         if not results:
             return f"No function matches {query!r}."
-        return f"{len(results)} results:\n" + "\n".join(cl._fit(results, self.tier.max_chars - 20))
+        return f"{len(results)} results:\n" + "\n".join(fit(results, self.tier.max_chars - 20))
 
     def _submit(self, locations: str) -> ToolResult:
         candidates = parse_locations(locations)

@@ -69,8 +69,9 @@ import numpy as np
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import register_env
-from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult, task_id
+from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult
 from focus_core.envs.traps import CombinationLock, ExactValueEnv, LookupChain
+from focus_core.ids import task_id
 
 GENERATOR_VERSION = 1  # bump when tasks change; part of every task id
 HELDOUT_SEED_START = 1_000_000  # held-out structure seeds start here; train seeds are 0 .. train_tasks - 1
