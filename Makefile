@@ -46,7 +46,7 @@ test-vllm: setup vllm-setup
 bench-vllm: setup vllm-setup
 	$(BIN)/python bench/vllm_throughput.py --json bench/out/vllm_throughput.json
 
-# Full benchmarks (minutes): the figures in the README.
+# Full benchmarks (minutes): figures of docs/benchmarks.md (speed, critic budget).
 bench: setup
 	$(BIN)/focus bench speed --json bench/out/speed.json
 	$(BIN)/focus bench critic-budget --json bench/out/critic_budget.json --plot bench/out/critic_budget.png

@@ -1,4 +1,4 @@
-"""The README's acquisition ablation: every strategy × both critic benchmarks × budget, from their JSON.
+"""The acquisition ablation of docs/benchmarks.md: every strategy × both critic benchmarks × budget, from their JSON.
 
 Each cell is the mean over the benchmark's environments of the per-environment figures that
 ``bench.critic_budget.summarise`` computed: critic MSE ÷ uniform_random's, the share of the oracle's gain over

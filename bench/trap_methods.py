@@ -123,7 +123,8 @@ def summarise(rows: list[dict], methods: Sequence[str]) -> list[dict]:
 
 
 def markdown(summary: list[dict]) -> str:
-    """The summary as the README's table: final exact success per method, and FOCUS minus each baseline."""
+    """The summary as a markdown table (docs/results/trap_methods.md): final exact success per method, and FOCUS minus
+    each baseline."""
     def pm(mean: float | None, se: float | None, signed: bool = False) -> str:
         if mean is None:
             return "–"

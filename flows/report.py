@@ -184,7 +184,8 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def headline(summary: dict[str, Any]) -> list[str]:
-    """The two tables a reader wants first (the report opens with them; the README's copy is made from them)."""
+    """The two tables a reader wants first (the report opens with them; the copies on README.md and docs/ pages are
+    made from them)."""
     lines = ["| env | method | seeds | final (95% CI) | AUC | generated tokens / iteration |",
              "|---|---|---|---|---|---|"]
     for r in summary["table"]:
@@ -198,21 +199,22 @@ def headline(summary: dict[str, Any]) -> list[str]:
     return lines + ["", "\\* the interval excludes 0."]
 
 
-def readme_block(name: str, source: str, summary: dict[str, Any]) -> str:
-    """The README's copy of a comparison's headline, between markers that name the JSON it is made from."""
-    return "\n".join([f"<!-- focus report {name}: made by `focus report --from-json {source} --readme README.md` -->",
+def readme_block(name: str, source: str, summary: dict[str, Any], page: str = "README.md") -> str:
+    """A page's copy of a comparison's headline, between markers whose first names the command that remakes it: the
+    JSON it is made from and the page (README.md or a docs/ page, as the command is typed) it is on."""
+    return "\n".join([f"<!-- focus report {name}: made by `focus report --from-json {source} --readme {page}` -->",
                        *headline(summary), f"<!-- end focus report {name} -->"])
 
 
 def update_readme(readme: Path, name: str, source: str, summary: dict[str, Any]) -> None:
-    """Replace the block of comparison ``name`` in ``readme`` (it must already have the two markers)."""
+    """Replace the block of comparison ``name`` in the page ``readme`` (it must already have the two markers)."""
     text = readme.read_text()
     begin, end = f"<!-- focus report {name}:", f"<!-- end focus report {name} -->"
     start, stop = text.find(begin), text.find(end)
     if start < 0 or stop < start:
         raise ValueError(f"{readme} has no block for comparison {name!r} (fix: put the lines {begin} ... --> and "
                          f"{end} where its table goes)")
-    readme.write_text(text[:start] + readme_block(name, source, summary) + text[stop + len(end):])
+    readme.write_text(text[:start] + readme_block(name, source, summary, readme.as_posix()) + text[stop + len(end):])
 
 
 def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str]) -> str:

@@ -176,21 +176,27 @@ def test_the_readme_headline_tables_are_the_ones_their_committed_json_makes(tmp_
     from flows.report import readme_block, summarise, update_readme
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
-    blocks = re.findall(r"<!-- focus report (\S+): made by `focus report --from-json (\S+) --readme README.md` -->"
-                        r".*?<!-- end focus report \1 -->", text, flags=re.S)
-    assert blocks, "the README shows no comparison made by focus report"
-    for name, source in blocks:
-        data = json.loads((root / source).read_text())
-        data.pop("summary", None)
-        expected = readme_block(name, source, summarise(data))
-        assert expected in text, f"README's {name} table is stale: focus report --from-json {source} --readme README.md"
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    for path in pages:
+        page = path.relative_to(root).as_posix()
+        text = path.read_text()
+        blocks = re.findall(r"<!-- focus report (\S+): made by `focus report --from-json (\S+) --readme (\S+)` -->"
+                            r".*?<!-- end focus report \1 -->", text, flags=re.S)
+        if page == "README.md":
+            assert blocks, "the README shows no comparison made by focus report"
+        for name, source, named_page in blocks:
+            assert named_page == page, f"{page}'s {name} block names the page {named_page} (fix: --readme {page})"
+            data = json.loads((root / source).read_text())
+            data.pop("summary", None)
+            expected = readme_block(name, source, summarise(data), page)
+            assert expected in text, f"{page}'s {name} table is stale (fix: focus report --from-json {source} " \
+                                     f"--readme {page})"
 
     # The update replaces only its own block, and a file without one is refused in one line.
     page = tmp_path / "page.md"
     page.write_text("before\n<!-- focus report x: old -->\nold table\n<!-- end focus report x -->\nafter\n")
     summary = {"table": [], "focus_vs_best": []}
     update_readme(page, "x", "x.json", summary)
-    assert page.read_text() == f"before\n{readme_block('x', 'x.json', summary)}\nafter\n"
+    assert page.read_text() == f"before\n{readme_block('x', 'x.json', summary, page.as_posix())}\nafter\n"
     with pytest.raises(ValueError, match="no block for comparison 'y'"):
         update_readme(page, "y", "y.json", summary)
