@@ -1,4 +1,4 @@
-"""The benchmarks run end to end on a tiny grid and write the JSON the README documents."""
+"""The benchmarks run end to end on a tiny grid and write the JSON that docs/benchmarks.md documents."""
 
 import json
 
