@@ -37,7 +37,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from focus_core.ports import free_ports, port_free
 
 SERVICES = ("s3", "prefect", "mlflow")
 DEFAULT_STATE_DIR = Path(__file__).resolve().parent.parent / ".focus-services"
@@ -155,7 +156,7 @@ def start_s3(state_dir: str | Path, port: int | None = None, *, timeout: float =
 
     def launch(s3_port: int) -> Service:
         flags = [f"{server}.port{grpc}" for server in ("master", "volume", "filer", "admin") for grpc in ("", ".grpc")]
-        ports = dict(zip([*flags, "s3.port.grpc"], _free_ports(len(flags) + 1, exclude={s3_port}), strict=True))
+        ports = dict(zip([*flags, "s3.port.grpc"], free_ports(len(flags) + 1, exclude={s3_port}), strict=True))
         ports["s3.port"] = s3_port
         argv = [
             str(_weed_binary()),
@@ -320,7 +321,7 @@ def up(name: str, state_dir: str | Path = DEFAULT_STATE_DIR, *, timeout: float =
         if _wait_healthy(existing, timeout, raise_on_timeout=False):
             return existing
         existing.stop()  # alive but never became healthy: restart it
-    port = PREFERRED_PORTS[name] if _port_free(PREFERRED_PORTS[name]) else None
+    port = PREFERRED_PORTS[name] if port_free(PREFERRED_PORTS[name]) else None
     return STARTERS[name](state_dir, port, timeout=timeout)
 
 
@@ -339,12 +340,12 @@ def down(name: str, state_dir: str | Path = DEFAULT_STATE_DIR) -> bool:
 def _start_on_port(name: str, port: int | None, launch: Callable[[int], Service]) -> Service:
     """Launch on the given port, or on free ports with two retries (another process may grab one first)."""
     if port is not None:
-        if not _port_free(port):
+        if not port_free(port):
             raise ServiceError(f"{name}: port {port} on 127.0.0.1 is in use; stop what uses it or pick another port")
         return launch(port)
     for attempt in range(3):
         try:
-            return launch(_free_ports(1)[0])
+            return launch(free_ports(1)[0])
         except _EarlyExit:
             if attempt == 2:
                 raise
@@ -465,35 +466,6 @@ def _http_ok(url: str) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _free_ports(count: int, exclude: set[int] = frozenset()) -> list[int]:
-    """``count`` distinct ports, none in ``exclude``, that the kernel considers free now on 127.0.0.1."""
-    sockets: list[socket.socket] = []
-    try:
-        while len(sockets) < count:
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            if sock.getsockname()[1] in exclude:
-                sock.close()
-                continue
-            sockets.append(sock)  # held open until all are chosen, so the kernel hands out distinct ports
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _port_free(port: int) -> bool:
-    """Nothing listens on the port. SO_REUSEADDR as the servers themselves set it: connections of a server that
-    just stopped linger in TIME_WAIT, and they must not keep it from starting again on its own port."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _tail(path: Path, lines: int = 20) -> str:

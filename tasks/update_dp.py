@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ import numpy as np
 
 from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import config_to_dict, validate_config
+from focus_core.ports import free_ports
 from focus_core.ppo import SequenceLike, TrainingSequence, UpdateReport, accelerate_data_parallel
 from tasks.inputs import POLICY_FOLDER
 from tasks.stage import RunContext
@@ -46,9 +46,7 @@ def train_in_processes(ctx: RunContext, policy: Manifest, reference: Manifest, s
     (scratch / SPEC).write_text(json.dumps({
         "store": ctx.store.root, "run_id": ctx.run_id, "config": config_to_dict(ctx.config), "seed": seed,
         "policy": [policy.iteration, policy.stage], "reference": [reference.iteration, reference.stage]}))
-    with socket.socket() as probe:  # a free port for the processes' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    [port] = free_ports(1)  # for the processes' rendezvous
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ctx.config.ppo.processes),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "tasks.update_dp", str(scratch)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

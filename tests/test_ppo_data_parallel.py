@@ -6,13 +6,13 @@ sequence, where one process has nothing to compute and still joins the reduction
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from focus_core.ports import free_ports
 from tests.scripts.dp_update import problem, run
 
 pytestmark = pytest.mark.slow
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.slow
 def test_two_processes_take_the_single_process_steps(tmp_path, agg):
     out = tmp_path / "dp.pt"
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with socket.socket() as probe:  # a free port for the processes' rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    [port] = free_ports(1)  # for the processes' rendezvous
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                            "127.0.0.1", "--master_port", str(port), "-m", "tests.scripts.dp_update", str(out), agg],
                           env=environ, capture_output=True, text=True, timeout=600)
