@@ -118,8 +118,8 @@ def segment_td_lambda(
 
     ``rewards`` has shape [K]; ``values`` has shape [K+1], the last entry being the value of the
     state after the last segment (0 when the episode ended). ``gamma`` is the per-segment discount
-    Γ_k, a scalar or shape [K]; ``trace`` is an optional per-segment Λ_k of shape [K] overriding
-    ``lam`` (the token-length-aware mode passes ``token_length_trace(...)``).
+    Γ_k, a scalar or shape [K]; ``lam`` is λ (``advantage.lam``); ``trace`` is an optional per-segment Λ_k of
+    shape [K] overriding ``lam`` (``advantage.trace_mode: token_length`` passes ``token_length_trace(...)``).
 
         δ_k = r_k + Γ_k V(s_{k+1}) − V(s_k)
         A_k = δ_k + Γ_k Λ_k A_{k+1},   A_K = 0
@@ -190,19 +190,20 @@ def segment_td_lambda_batch(
     return advantages, advantages + value_now
 
 
-def token_length_trace(segment_token_counts: Array, lam_token: float) -> Array:
+def token_length_trace(segment_token_counts: Array, lambda_token: float) -> Array:
     """Per-segment trace Λ_k = λ_tok ** L_k for the token-length-aware mode (method.md §5.1, T4).
 
     Long segments then trust the far critic value less, as if the trace decayed per generated token.
     """
     counts = _float_array(segment_token_counts)
-    if not 0.0 <= lam_token <= 1.0:
-        raise ValueError(f"lam_token must be in [0, 1], got {lam_token}")
-    return lam_token**counts
+    if not 0.0 <= lambda_token <= 1.0:
+        raise ValueError(f"lambda_token must be in [0, 1], got {lambda_token}")
+    return lambda_token**counts
 
 
-def lambda_for_halflife(halflife_tokens: float) -> float:
-    """The per-token λ whose trace halves every ``halflife_tokens`` tokens (T4 uses 200)."""
+def lambda_token_for_halflife(halflife_tokens: float) -> float:
+    """The per-token λ_tok whose trace halves every ``halflife_tokens`` tokens (``advantage.lambda_token_halflife``;
+    T4 uses 200)."""
     return 0.5 ** (1.0 / halflife_tokens)
 
 
@@ -512,7 +513,7 @@ def _segment_td_lambda_estimator(batch: AdvantageBatch, config: Any) -> Advantag
     if config.trace_mode == "token_length":
         if batch.segment_tokens is None:
             raise ValueError("trace_mode=token_length needs AdvantageBatch.segment_tokens")
-        trace = token_length_trace(batch.segment_tokens, lambda_for_halflife(config.lambda_token_halflife))
+        trace = token_length_trace(batch.segment_tokens, lambda_token_for_halflife(config.lambda_token_halflife))
     advantage, returns = segment_td_lambda_batch(batch.rewards, _with_terminal_zero(batch), batch.lengths,
                                                  gamma=config.gamma, lam=config.lam, trace=trace)
     return _segment_result(batch, advantage, returns)

@@ -14,7 +14,7 @@ from focus_core.advantages import (
     gae,
     get_advantage_estimator,
     grpo_advantages,
-    lambda_for_halflife,
+    lambda_token_for_halflife,
     rloo_advantages,
     segment_td_lambda,
     segment_td_lambda_batch,
@@ -51,7 +51,7 @@ def test_t3_per_segment_discount():
 
 
 def test_t4_token_length_aware_trace():
-    trace = token_length_trace(np.array([100, 300, 200, 400]), lambda_for_halflife(200))
+    trace = token_length_trace(np.array([100, 300, 200, 400]), lambda_token_for_halflife(200))
     np.testing.assert_allclose(trace, [0.707107, 0.353553, 0.5, 0.25], atol=1e-6)
     adv, _ = segment_td_lambda(R_T1, V_T1, gamma=1.0, lam=0.9, trace=trace)
     np.testing.assert_allclose(adv, [0.037868, -0.087868, 0.6, 0.2], atol=1e-6)
