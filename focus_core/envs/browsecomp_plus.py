@@ -1,53 +1,13 @@
-"""BrowseComp-Plus adapter: the real deep-search benchmark, for users who have its data.
+"""BrowseComp-Plus adapter: the real deep-search benchmark (Chen et al., arXiv:2508.06600), for those who have its data.
 
-Why. BrowseComp-Plus (Chen et al., arXiv:2508.06600; github.com/texttron/BrowseComp-Plus) fixes the corpus of
-BrowseComp: 830 hard questions, each answerable from a closed set of 100,195 web documents, so search agents
-can be compared (and trained) without the live web. It is the deep-search benchmark of the method's paper. Our
-embedded ``deep_search`` env is the CPU stand-in; this adapter runs the real thing through the same protocol.
-
-Every query is a held-out (test) task: ``tasks("heldout")`` has all of them and ``tasks("train")`` is empty.
-Train on ``deep_search`` or on your own generated questions, never on these.
-
-Data (paths are constructor arguments; nothing is downloaded):
-
-* ``queries``: the decrypted queries, as written by the official script
-  ``python scripts_build_index/decrypt_dataset.py --output data/browsecomp_plus_decrypted.jsonl`` (it XOR-decrypts
-  every string of HF ``Tevatron/browsecomp-plus``, split ``test``; ``query_id`` is stored in the clear). One JSON
-  object per line: ``query_id``, ``query``, ``answer``, and ``evidence_docs`` / ``gold_docs`` / ``negative_docs``,
-  lists of ``{docid, text, url}`` (evidence: human-verified supporting pages; gold: evidence holding the answer).
-  Required: ``query_id``, ``query``, ``answer``; of the document lists only the docids are kept. Parquet with the
-  same columns is read too.
-* ``corpus``: HF ``Tevatron/browsecomp-plus-corpus`` (split ``train``) saved locally, e.g.
-  ``load_dataset("Tevatron/browsecomp-plus-corpus", split="train").to_parquet("corpus.parquet")``: a JSONL or
-  parquet file, or a folder of such files (the dataset's parquet shards). Columns ``docid``, ``text``, ``url``
-  (``title`` optional); ``text`` starts with a YAML front-matter block whose ``title:`` line is the title.
-
-Index. BM25 (``bm25s``) over title + text, with our tokeniser (lower-cased words of 2+ characters, English stop
-words dropped). It is not the official Pyserini/Lucene BM25 (which needs Java 21), so rankings differ. The index
-and an SQLite store of the documents (``get_document`` then needs no 3 GB of text in memory) are built once into
-``cache_dir`` (default ``$FOCUS_DATA_DIR/browsecomp_plus``), in a folder named by a hash of the corpus bytes.
-The build is one-off: 17 s on one core for a synthetic 60 MB corpus, so roughly 15 minutes and a few GB of memory
-for the real 3.2 GB one (extrapolated, not measured on the real corpus).
-
-Tools (those of the official ``searcher/tools.py``, plus paging and an answer tool):
-
-* ``search(query)``: the top ``k`` hits (default 5, as in the paper) as ``docid | score | title | snippet``; the
-  snippet is the first ``snippet_chars`` characters of the text (official: the first 512 Qwen3 tokens).
-* ``get_document(docid, page=0)``: ``page_chars`` characters per page (official: the whole document; documents
-  average 32k characters).
-* ``answer(text)``: ends the episode.
-
-Reward: 1 when the normalised answer equals the normalised gold answer (case, accents, punctuation, articles
-and thousands separators ignored). This is a cheap proxy: the official accuracy is an LLM judge
-(``scripts_evaluation/evaluate_run.py``, Qwen3-32B; gpt-4.1 in the paper) that also accepts paraphrases, more
-precise answers and small numeric errors, so the proxy under-counts. Token F1 is in ``info`` as a diagnostic.
-
-Output. ``write_run(folder)`` writes the current episode as ``run_<query_id>.json``, the per-query JSON that the
-official ``evaluate_run.py --input_dir <folder>`` reads: ``query_id``, ``status`` ("completed" once answered),
-``tool_call_counts``, ``retrieved_docids`` (every docid shown by search or opened), ``result`` (tool calls, then
-an ``output_text`` item "Exact Answer: ..." that the judge grades) and ``metadata.model``. ``write_trec_run(path)``
-writes a retrieval-only TREC run (``qid Q0 docid rank score tag``, as ``scripts_retrieval_only/retrieve.py``
-does), to score with trec_eval against ``topics-qrels/qrel_evidence.txt`` or ``qrel_golds.txt``.
+Task: the 830 BrowseComp-Plus queries over their fixed corpus of 100,195 web documents, every one held out (a test
+set: ``tasks("train")`` is empty; train on ``deep_search``). Data: paths given to the constructor, nothing is
+downloaded: the queries as the official decrypt script writes them, and the corpus (HF
+``Tevatron/browsecomp-plus-corpus`` saved as JSONL or parquet); a BM25 index (``bm25s``, not the official Pyserini,
+so rankings differ) and an SQLite store of the documents are built once into ``cache_dir``, named by a hash of the
+corpus. One tier, ``default``, with free-text tools: ``search(query)``, ``get_document(docid, page)``,
+``answer(text)``. Reward 1 when the normalised answer equals the gold one (a proxy for the official LLM judge),
+else 0. ``write_run`` and ``write_trec_run`` write the files the official evaluators read.
 """
 
 from __future__ import annotations
@@ -270,24 +230,27 @@ def _default_cache_dir() -> Path:
 
 # -- the environment --------------------------------------------------------------------------------------------------
 
+TEXT_TOOLS = (  # the one tier's tools (its sizes are constructor arguments)
+    ToolSpec("search", "BM25 search over the corpus; top hits as 'docid | score | title | snippet'",
+             (("query", "string", "keywords"),), ("query",)),
+    ToolSpec("get_document", "read one page of a document (pages from 0; header [docid pN/last])",
+             (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")),
+             ("docid",)),
+    ToolSpec("answer", "give the final, exact answer; ends the episode", (("text", "string", "the answer"),),
+             ("text",)),
+)
+
+
 @register_env("browsecomp_plus")
 class BrowseCompPlusEnv(ToolEnv):
     """The 830 BrowseComp-Plus queries over their fixed corpus; every task is held out (a test set)."""
 
-    tools = (
-        ToolSpec("search", "BM25 search over the corpus; top hits as 'docid | score | title | snippet'",
-                 (("query", "string", "keywords"),), ("query",)),
-        ToolSpec("get_document", "read one page of a document (pages from 0; header [docid pN/last])",
-                 (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")),
-                 ("docid",)),
-        ToolSpec("answer", "give the final, exact answer; ends the episode", (("text", "string", "the answer"),),
-                 ("text",)),
-    )
+    tools = TEXT_TOOLS
 
     def __init__(self, queries: str | os.PathLike, corpus: str | os.PathLike,
                  cache_dir: str | os.PathLike | None = None, k: int = 5, snippet_chars: int = 1000,
                  page_chars: int = 5000, tier: str = "default") -> None:
-        if tier != "default":
+        if tier not in self.tiers:
             raise ValueError(f"browsecomp_plus has one tier, 'default' (got {tier!r}); size it with k, "
                              "snippet_chars and page_chars")
         super().__init__()
@@ -316,7 +279,7 @@ class BrowseCompPlusEnv(ToolEnv):
         return self._index
 
     def tasks(self, split: str, tier: str = "default") -> list[Task]:
-        if split not in SPLITS or tier != "default":
+        if split not in SPLITS or tier not in self.tiers:
             raise ValueError(f"split must be one of {SPLITS} and tier 'default'")
         if self._tasks is None:
             self._tasks = self._load_tasks()

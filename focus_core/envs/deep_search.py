@@ -1,44 +1,16 @@
 """Deep search: BrowseComp-style multi-constraint questions over a real local corpus of country fact sheets.
 
-Corpus. One document per country or territory, rendered from the JSON records shipped in the PyPI package
-``countryinfo==1.0.1`` (MIT): capital, location, population, area, land borders, currencies, language codes,
-calling codes, internet domains, demonym, time zones, provinces. The data files are checked against a
-hard-coded sha256 before use. Documents have opaque ids (``d042``) and pages; ``search`` is BM25 (``bm25s``)
-over the full text with the title weighted up, so searching a country's name finds its sheet.
+Task: name the country T that borders a hop country H (named by a fact no other country has) and fits a few
+more facts, which only together rule out H's other neighbours; every question has exactly one answer. Data: one
+sheet per country or territory (246), rendered from the JSON records of the PyPI package ``countryinfo==1.0.1``
+(sha256-pinned), with BM25 search over them. Split by T's name; a train question never hops through a held-out
+country.
 
-Cleaning, documented where it happens: withdrawn ISO codes and duplicate records are dropped, one-sided borders
-are made symmetric, data files with non-ASCII names are skipped (see DATA_SHA256), 246 sheets remain.
-
-Questions are "inverted constraint intersections". Pick a target country T and one of its land neighbours H
-(the hop). H is described by a fact no other country has (capital, calling code, province, demonym or internet
-domain) and that a BM25 search finds at rank 1; T is described by "borders H" plus direct facts about T
-(location, currency, language code, time zone, capital initial; the hard tier adds population and area
-thresholds and the neighbour count). Only facts shared by at least two countries are used. They are added in a
-seeded random order while they still rule out a rival among H's neighbours, then pruned so every one is
-necessary; together they must still fit at least two countries, so H's sheet has to be read. Uniqueness is
-checked over the structured records: every question has exactly one answer (its name; aliases also count).
-Every generated task is replayed with the expert and kept only if it is solved within the tier's turn range.
-
-Expert (a fixed plan the tiny model can imitate): search the hop phrase, open the top hit (H), then walk H's
-neighbours in the listed order: open each one's sheet, read page 0 (and at the default and text tiers page 1,
-where currency, languages and time zones are), drop the neighbour at the first fact that does not hold, and
-answer the first one that passes everything. Its state is re-read from the transcript on every call, so injected
-mistakes (wrong searches, wrong pages, stray moves) are stepped over.
-
-Tiers.
-* ``default`` (the tiny CPU model): templated wording, short pages, 6-20 expert turns, and tools without
-  arguments - ``search()`` (the question's first clue), ``open()`` (the top hit), ``neighbour()`` (the next
-  one), ``page()`` (the next page), ``answer()`` (the sheet in front of the reader); each page ends with how
-  many of the question's clues the sheet's pages up to it confirm, as a search engine highlights query terms.
-  A from-scratch 2-layer model learns the plan and the call format from a few minutes of SFT but not to copy
-  names, docids or numbers out of its context (measured: none of ~400 such calls right after SFT), so what is
-  left to decide here is when a neighbour fails a clue and when one fits them all (the expert reads both pages
-  of each neighbour). The expert's messages are bare calls: free text is where a tiny model derails.
-  The reader's position is a function of the calls so far; branches replay them (``SegmentStart.calls``).
-* ``text``: the same questions with free-text calls - ``search(query)``, ``get_document(docid, page)``,
-  ``answer(text)`` - top-3 hits with short snippets, pages of at most ~330 characters (real small models).
-* ``hard``: paraphrased wording, more (also redundant and numeric) facts, top-5 hits, longer pages, free text.
-Split: ``split_of(T's name, 0.2)``; a train question never uses a held-out country as its hop.
+Tiers (``TIERS``, each with its tool set): ``default``, a reader for the tiny CPU model, argument-free ``search()
+open() neighbour() page() answer()`` with the position kept here; ``text``, ``search(query)``, ``get_document(docid,
+page)`` and ``answer(text)`` over short pages; ``hard``, the same tools with paraphrased questions, more (also
+numeric) facts and longer pages. Reward 1 when the answer names T (or an alias), else 0. The scripted expert
+searches the hop, opens H and walks its neighbours until one fits every fact.
 """
 
 from __future__ import annotations
@@ -70,11 +42,54 @@ GENERATOR_VERSION = 1  # bump when tasks change; part of every task id
 HELDOUT_FRACTION = 0.2
 WITHDRAWN = {"SCG", "ANT"}  # Serbia and Montenegro, Netherlands Antilles: withdrawn codes duplicating current ones
 MAX_QUERY_CHARS, MAX_ANSWER_CHARS = 200, 200
-PAGED = ("default", "text")  # tiers with templated questions and two short fact pages per sheet
-TIERS = {  # hits per search, snippet width, page budget, turn range kept
-    "default": {"k": 5, "snippet": 45, "page": 330, "turns": (6, 20)},
-    "text": {"k": 3, "snippet": 60, "page": 330, "turns": (6, 20)},
-    "hard": {"k": 5, "snippet": 160, "page": 1100, "turns": (4, 40)},
+
+
+# -- the tiers: a tool set, search and page sizes, and the kind of questions each ----------------------------------
+
+TEXT_TOOLS = (
+    ToolSpec("search", "BM25 search over country sheets; top hits as 'docid | title | snippet'",
+             (("query", "string", "keywords"),), ("query",)),
+    ToolSpec("get_document", "read one page of a sheet (pages from 0; header [docid pN/last])",
+             (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")), ("docid",)),
+    ToolSpec("answer", "give the final answer (a country name); ends the episode",
+             (("text", "string", "the answer"),), ("text",)),
+)
+# The default tier's tools take no arguments: a reader with a position walks the hop's neighbours. A from-scratch
+# tiny model learns a plan and the call format in minutes, but not to copy a name, docid or number out of its
+# context (measured: 0% of such calls right after SFT), so at this tier the only thing left to decide is *when*
+# to move on and when to answer - which is what the question's clues decide.
+READER_TOOLS = (  # one short word each: the tiny tokenizer gives each its own token
+    ToolSpec("search", "BM25 search with the question's first clue; shows the top hits", (), ()),
+    ToolSpec("open", "open the top hit's sheet (page 0, with its Borders); starts its neighbours over", (), ()),
+    ToolSpec("neighbour", "open page 0 of the top hit's next neighbour, in the order its Borders list", (), ()),
+    ToolSpec("page", "read the next page of the sheet in front of you", (), ()),
+    ToolSpec("answer", "answer with the country of the sheet in front of you; ends the episode", (), ()),
+)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier: the tool set it offers, what a search and a page show, and the kind of questions it asks."""
+
+    tools: tuple[ToolSpec, ...]  # READER_TOOLS (argument-free, a position kept here) or TEXT_TOOLS
+    hits: int  # hits a search shows
+    snippet: int  # characters of a hit's snippet
+    page: int  # page budget (characters)
+    turns: tuple[int, int]  # the expert's turns a kept task takes
+    # Templated questions and two short fact pages per sheet; else paraphrased questions with more (also redundant
+    # and numeric) facts, all facts on page 0.
+    paged: bool
+
+    @property
+    def reader(self) -> bool:
+        """Whether this tier is the reader: its position is a function of the argument-free calls so far."""
+        return self.tools is READER_TOOLS
+
+
+TIERS = {
+    "default": Tier(READER_TOOLS, hits=5, snippet=45, page=330, turns=(6, 20), paged=True),
+    "text": Tier(TEXT_TOOLS, hits=3, snippet=60, page=330, turns=(6, 20), paged=True),
+    "hard": Tier(TEXT_TOOLS, hits=5, snippet=160, page=1100, turns=(4, 40), paged=False),
 }
 
 
@@ -193,8 +208,8 @@ def render_pages(country: Country, tier: str) -> list[str]:
     """Pages of a sheet. Default and text tiers: facts of place (page 0), of people and money (page 1), then
     provinces; the hard tier: all facts on page 0."""
     fields = country.fields()
-    budget = TIERS[tier]["page"] - 40  # room for the "[d042 p0/3] Name." header
-    bodies = [" ".join(fields[:5]), " ".join(fields[5:11])] if tier in PAGED else [" ".join(fields[:11])]
+    budget = TIERS[tier].page - 40  # room for the "[d042 p0/3] Name." header
+    bodies = [" ".join(fields[:5]), " ".join(fields[5:11])] if TIERS[tier].paged else [" ".join(fields[:11])]
     chunk = "Provinces:"
     for province in country.provinces:
         if len(chunk) + len(province) + 2 > budget and chunk != "Provinces:":
@@ -299,11 +314,11 @@ class Constraint:
         return _mask(self)
 
     def page(self, tier: str) -> int:
-        return 1 if tier in PAGED and self.kind in ("currency", "language", "timezone") else 0
+        return 1 if TIERS[tier].paged and self.kind in ("currency", "language", "timezone") else 0
 
     def phrase(self, tier: str, rng: random.Random) -> str:
         options = PHRASES[self.kind]
-        return (options[0] if tier in PAGED else rng.choice(options[1:])).format(v=self.value)
+        return (options[0] if TIERS[tier].paged else rng.choice(options[1:])).format(v=self.value)
 
     def why_not(self) -> str:
         """Short reason a sheet fails this fact, for the expert's reasoning line."""
@@ -324,7 +339,7 @@ def facts_of(c: Country, tier: str) -> list[Constraint]:
     facts += [Constraint(kind, v) for kind, values in
               (("currency", c.currencies), ("language", c.languages), ("timezone", c.timezones)) for v in values]
     facts += [Constraint("initial", c.capital[0])] if c.capital[:1].isalpha() else []
-    if tier == "hard":
+    if not TIERS[tier].paged:
         if c.population:
             facts += [Constraint("pop_over", max(s for s in POP_STEPS if s * 1e6 < c.population))] \
                 if c.population > 1e6 else []
@@ -348,6 +363,7 @@ def choose_constraints(target: Country, rivals: list[Country], tier: str, rng: r
     def fits(facts: list[Constraint]) -> int:
         return functools.reduce(lambda mask, f: mask & f.mask, facts, (1 << len(world().countries)) - 1)
 
+    paged = TIERS[tier].paged
     rival_mask = sum(1 << int(r.docid[1:]) for r in rivals)
     pool = [f for f in facts_of(target, tier) if f.mask.bit_count() >= 2]
     for _ in range(attempts):
@@ -364,11 +380,11 @@ def choose_constraints(target: Country, rivals: list[Country], tier: str, rng: r
             if rest and not fits(rest) & rival_mask:
                 chosen = rest
         extra = [f for f in pool if f not in chosen]
-        if tier in PAGED and not any(f.page(tier) == 1 for f in chosen):
+        if paged and not any(f.page(tier) == 1 for f in chosen):
             chosen += [f for f in extra if f.page(tier) == 1][:1]  # the plan always reads page 1 as well
-        if tier == "hard":
+        if not paged:
             chosen += extra[: max(0, 4 - len(chosen))]  # hard questions carry redundant facts too
-        small = tier == "hard" or (len(chosen) <= 3 and any(f.page(tier) == 1 for f in chosen))
+        small = not paged or (len(chosen) <= 3 and any(f.page(tier) == 1 for f in chosen))
         if chosen and small and fits(chosen).bit_count() >= 2:
             return chosen
     return None
@@ -387,29 +403,10 @@ _PAGE_HEADER = re.compile(r"^\[(d\d{3}) p(\d+)/\d+\]", re.MULTILINE)
 _HIT_LINE = re.compile(r"^(d\d{3}) \| (.+?) \| ", re.MULTILINE)
 
 
-TEXT_TOOLS = (
-    ToolSpec("search", "BM25 search over country sheets; top hits as 'docid | title | snippet'",
-             (("query", "string", "keywords"),), ("query",)),
-    ToolSpec("get_document", "read one page of a sheet (pages from 0; header [docid pN/last])",
-             (("docid", "string", "a docid from search"), ("page", "integer", "page number, default 0")), ("docid",)),
-    ToolSpec("answer", "give the final answer (a country name); ends the episode",
-             (("text", "string", "the answer"),), ("text",)),
-)
-# The default tier's tools take no arguments: a reader with a position walks the hop's neighbours. A from-scratch
-# tiny model learns a plan and the call format in minutes, but not to copy a name, docid or number out of its
-# context (measured: 0% of such calls right after SFT), so at this tier the only thing left to decide is *when*
-# to move on and when to answer - which is what the question's clues decide.
-CURSOR_TOOLS = (  # one short word each: the tiny tokenizer gives each its own token
-    ToolSpec("search", "BM25 search with the question's first clue; shows the top hits", (), ()),
-    ToolSpec("open", "open the top hit's sheet (page 0, with its Borders); starts its neighbours over", (), ()),
-    ToolSpec("neighbour", "open page 0 of the top hit's next neighbour, in the order its Borders list", (), ()),
-    ToolSpec("page", "read the next page of the sheet in front of you", (), ()),
-    ToolSpec("answer", "answer with the country of the sheet in front of you; ends the episode", (), ()),
-)
 # Every reader observation ends with where the reader is and how many of the question's clues the pages read so
 # far confirm (like a search engine's highlighting), e.g. "[Botswana: neighbour 1 of 4, page 1/2; clues met: 1 of 2]"
 # or "...; clues met: all]".
-_CURSOR_FOOTER = re.compile(
+_READER_FOOTER = re.compile(
     r"\[[^\[\]]+: (?:top hit|neighbour (\d+) of \d+), page (\d+)/\d+; clues met: (?:all|\d+ of \d+)\]$")
 
 
@@ -428,35 +425,37 @@ class DeepSearchEnv(ToolEnv):
 
     @classmethod
     def tools_for(cls, tier: str) -> tuple[ToolSpec, ...]:
-        return CURSOR_TOOLS if tier == "default" else TEXT_TOOLS
+        return TIERS[tier].tools
 
     def reset(self, task: Task) -> str:
         self._searched = False  # the default tier's reader: whether search() ran, the open top hit,
         self._top: Country | None = None  # the neighbour in front of it (0: the top hit itself) and its page
         self._neighbour, self._page = 0, 0
-        return super().reset(task)
+        observation = super().reset(task)
+        self.task_tier = TIERS[task.tier]  # the task's tier (a text-tools environment also plays hard tasks)
+        return observation
 
     # -- tools ---------------------------------------------------------------------------------------------------
 
     def run_tool(self, call: ToolCall) -> ToolResult:
-        tier = self.task.tier
-        if tier == "default":
-            return self._run_cursor_tool(call)
+        tier = self.task_tier
+        if tier.reader:
+            return self._run_reader_tool(call)
         corpus = world()
         if call.name == "search":
             query = call.arguments["query"].strip()
             if not query or len(query) > MAX_QUERY_CHARS:
                 raise ToolFailure(f"search needs a query of 1-{MAX_QUERY_CHARS} characters")
-            hits = corpus.search(query, TIERS[tier]["k"])
+            hits = corpus.search(query, tier.hits)
             if not hits:
                 raise ToolFailure(f"no sheet matches {query[:40]!r}; try other keywords")
-            width = TIERS[tier]["snippet"]
-            return ToolResult("\n".join(f"{c.docid} | {c.name} | {corpus.snippet(c, query, width)}" for c in hits))
+            return ToolResult("\n".join(f"{c.docid} | {c.name} | {corpus.snippet(c, query, tier.snippet)}"
+                                         for c in hits))
         if call.name == "get_document":
             docid = call.arguments["docid"].strip().lower()
             if docid not in corpus.by_docid:
                 raise ToolFailure(f"no document {docid[:30]!r}; docids look like d042 and come from search")
-            pages = render_pages(corpus.by_docid[docid], tier)
+            pages = render_pages(corpus.by_docid[docid], self.task.tier)
             page = call.arguments.get("page", 0)
             if not 0 <= page < len(pages):
                 raise ToolFailure(f"{docid} has pages 0 to {len(pages) - 1}")
@@ -466,14 +465,13 @@ class DeepSearchEnv(ToolEnv):
             raise ToolFailure(f"answer needs a name of 1-{MAX_ANSWER_CHARS} characters")
         return self._judge(normalise(text))
 
-    def _run_cursor_tool(self, call: ToolCall) -> ToolResult:
+    def _run_reader_tool(self, call: ToolCall) -> ToolResult:
         """Default tier: the reader's position is a function of the calls so far, which a branch replays."""
-        corpus, query = world(), self.task.facts["hop_query"]
+        corpus, query, tier = world(), self.task.facts["hop_query"], self.task.tier
         if call.name == "search":
             self._searched = True
-            width = TIERS["default"]["snippet"]
-            hits = corpus.search(query, TIERS["default"]["k"])
-            return ToolResult("\n".join(f"{i}. {c.name} | {corpus.snippet(c, query, width)}"
+            hits = corpus.search(query, self.task_tier.hits)
+            return ToolResult("\n".join(f"{i}. {c.name} | {corpus.snippet(c, query, self.task_tier.snippet)}"
                                          for i, c in enumerate(hits, 1)))
         if call.name == "open":
             if not self._searched:
@@ -486,17 +484,17 @@ class DeepSearchEnv(ToolEnv):
                 raise ToolFailure(f"{self._top.name} has no more neighbours; open() starts them over")
             self._neighbour, self._page = self._neighbour + 1, 0
         elif call.name == "page":
-            if self._page + 1 == len(render_pages(self._sheet(), "default")):
+            if self._page + 1 == len(render_pages(self._sheet(), tier)):
                 raise ToolFailure("this is the sheet's last page")
             self._page += 1
         else:
             return self._judge(normalise(self._sheet().name))
         sheet = self._sheet()
-        pages = render_pages(sheet, "default")
+        pages = render_pages(sheet, tier)
         where = f"neighbour {self._neighbour} of {len(self._top.borders)}" if self._neighbour else "top hit"
         body = pages[self._page].split("] ", 1)[1].removeprefix(f"{sheet.name}. ")  # drop "[d042 p0/2] Name. "
         clues = self._constraints()
-        met = sum(f.page("default") <= self._page and f.holds(sheet) for f in clues)
+        met = sum(f.page(tier) <= self._page and f.holds(sheet) for f in clues)
         # "all" is one token right before the policy's turn: the cue a tiny model picks up first. Pages confirm a
         # clue only once read, so "all" appears on page 1 of the answer, and never on a sheet that fails a clue.
         tally = "all" if met == len(clues) else f"{met} of {len(clues)}"
@@ -567,7 +565,7 @@ class DeepSearchEnv(ToolEnv):
         if chosen is None:
             return None
         query, wordings = HOPS[kind]
-        if tier in PAGED:
+        if TIERS[tier].paged:
             phrases = [f.phrase(tier, rng) for f in chosen]
             clues = f" and {phrases[0]}" if len(phrases) == 1 else f", {', '.join(phrases[:-1])} and {phrases[-1]}"
             prompt = f"Which country borders {wordings[0].format(v=value)}{clues}? Answer with its name."
@@ -582,7 +580,7 @@ class DeepSearchEnv(ToolEnv):
                  "constraints": [[f.kind, f.value] for f in chosen]}
         task = Task(task_id(self.name, GENERATOR_VERSION, tier, target.name, hop.name, kind), self.name, split, tier,
                     prompt, target.name, target.name, facts)
-        low, high = TIERS[tier]["turns"]
+        low, high = TIERS[tier].turns
         reward, turns = self.replay_expert(task)
         return task if reward == 1.0 and low <= turns <= high else None
 
@@ -602,8 +600,8 @@ class DeepSearchEnv(ToolEnv):
     # -- expert --------------------------------------------------------------------------------------------------
 
     def expert_action(self, task: Task, history: list[tuple[str, str]]) -> str:
-        if task.tier == "default":
-            return self._cursor_expert(task, history)
+        if TIERS[task.tier].reader:
+            return self._reader_expert(task, history)
         corpus, facts, tier = world(), task.facts, task.tier
         seen_pages = {(d, int(p)) for _, obs in history for d, p in _PAGE_HEADER.findall(obs)}
         hits = {title: d for _, obs in history for d, title in _HIT_LINE.findall(obs)}
@@ -643,14 +641,14 @@ class DeepSearchEnv(ToolEnv):
                        page=missing[0])
         return act("No neighbour fits; answer the best guess.", "answer", text=facts["candidates"][0])
 
-    def _cursor_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
+    def _reader_expert(self, task: Task, history: list[tuple[str, str]]) -> str:
         """The plan with the default tier's reader: read pages 0 and 1 of each neighbour, then answer or move on.
         The message is the bare call: its first token is the decision, and there is no free text for a tiny model
         to derail in. After a stray move past the answer, it starts over."""
         corpus, facts = world(), task.facts
-        positions = [m for _, obs in history if (m := _CURSOR_FOOTER.search(obs))]
+        positions = [m for _, obs in history if (m := _READER_FOOTER.search(obs))]
         if not positions:
-            return "open()" if ran_without_error(history, "search", CURSOR_TOOLS) else "search()"
+            return "open()" if ran_without_error(history, "search", READER_TOOLS) else "search()"
         neighbour, page = int(positions[-1].group(1) or 0), int(positions[-1].group(2))
         if neighbour == 0:
             return "neighbour()"
