@@ -252,7 +252,7 @@ def test_smollm2_chatml_contexts_are_built_exactly_as_the_template_renders_them(
 
 def test_notes_after_an_empty_policy_message():
     """Regression: an empty message (a policy that stops at once) made the notes compressor raise IndexError."""
-    from focus_core.agent.harness import summarize_notes
+    from focus_core.agent.notes import summarize_notes
 
     assert summarize_notes(["at 1"], [("", "Error: no tool call found")]) == "- at 1\nLast call: "
 

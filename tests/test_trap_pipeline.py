@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from focus_core.agent.harness import AgentRunner, SegmentStart
-from focus_core.agent.scripted import ScriptedActor, ScriptedGeneration
+from focus_core.agent.scripted import ScriptedActor
 from focus_core.agent.sft import warm_start
 from focus_core.config import AgentConfig, BootstrapConfig, ModelConfig
 from focus_core.envs import make_env
@@ -30,6 +30,7 @@ from focus_core.envs.trap_tools import (
     choose_message,
 )
 from focus_core.envs.traps import CLUE_FAMILIES, CombinationLock, LookupState, TabularPolicy
+from focus_core.policy.base import Generation
 from focus_core.policy.models import tiny_policy
 from focus_core.policy.tokenizer import END, train_tokenizer
 
@@ -60,7 +61,7 @@ class FixedActor:
                  first_sample=None):
         assert len(prompts) == 1 and n == 1
         ids = self.tokenizer.encode(self.messages.pop(0), add_special_tokens=False)
-        return [[ScriptedGeneration(ids + [self.tokenizer.convert_tokens_to_ids(END)], [0.0] * (len(ids) + 1))]]
+        return [[Generation(ids + [self.tokenizer.convert_tokens_to_ids(END)], [0.0] * (len(ids) + 1), "stop")]]
 
 
 def message_of(env: TrapToolEnv, task, state, kind: str) -> str:

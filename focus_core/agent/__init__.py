@@ -1,1 +1,1 @@
-"""The agent side: tool-call grammar, harness with context manager, scripted actors, SFT."""
+"""The agent side: tool-call grammar, harness with context manager, notes compressor, scripted actors, SFT."""

@@ -25,19 +25,19 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from focus_core.agent.scripted import ScriptedActor
+from focus_core.agent.notes import note, summarize_notes
 from focus_core.budget import BudgetLedger
 from focus_core.config import AgentConfig
 from focus_core.envs.base import Task, ToolEnv
+from focus_core.policy.base import Generation, Policy
 from focus_core.policy.tokenizer import chat_ids, end_of_turn_ids
 
 COMPRESS_REQUEST = "Context is full. Summarize what you have found so far in one short paragraph."
 NOTES_HEADER = "Notes so far:"
-NOTE_CHARS = 240  # how much of each observation the deterministic notes keep
 
 
 @dataclass(frozen=True)
@@ -131,20 +131,16 @@ class AgentEpisode:
         return "\n".join(f"[{t.role}] {t.text}" for t in self.turns)
 
 
-class Generation(Protocol):
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-
-
-class Actor(Protocol):
-    """Whatever writes the policy messages: a model (``Policy``) or the scripted expert."""
+@runtime_checkable
+class TranscriptActor(Protocol):
+    """An actor that writes each message from the environment and the episode's transcript instead of sampling
+    from the context's tokens: the scripted expert and the random agent (``scripted.ScriptedActor``). Everything
+    else that writes the policy messages is a model, a ``Policy``, and generates from the context's ids."""
 
     tokenizer: Any
 
-    def generate(self, prompts: list[list[int]], *, n: int = 1, max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_token_ids: set[int] | None = None, seed: int | Sequence[int] = 0
-                 ) -> list[list[Generation]]: ...
+    def respond(self, env: ToolEnv, task: Task, history: Sequence[tuple[str, str]], notes: Sequence[str],
+                summarizing: bool) -> Generation: ...
 
 
 class ChatRenderer:
@@ -195,7 +191,8 @@ class _Active:
 class AgentRunner:
     """Runs episodes of an actor in an environment, with the context manager and full recording."""
 
-    def __init__(self, actor: Actor, env_factory: Callable[[], ToolEnv], config: AgentConfig | None = None):
+    def __init__(self, actor: Policy | TranscriptActor, env_factory: Callable[[], ToolEnv],
+                 config: AgentConfig | None = None):
         self.actor, self.env_factory = actor, env_factory
         self.config = config or AgentConfig()
         self.renderer = ChatRenderer(actor.tokenizer)
@@ -357,11 +354,11 @@ class AgentRunner:
         a.summarizing = True
 
     def _generate(self, active: list[_Active], cap: int | None = None) -> None:
-        if isinstance(self.actor, ScriptedActor):  # the expert reads the task and history, not tokens
+        if isinstance(self.actor, TranscriptActor):  # the expert reads the task and history, not tokens
             for a in active:
                 sample = self.actor.respond(a.env, a.episode.task, a.history, a.notes, a.summarizing)
-                if cap is not None:  # the budget's last tokens: the expert's message is cut like a model's
-                    sample = type(sample)(sample.token_ids[:cap], sample.logprobs[:cap])
+                if cap is not None and len(sample.token_ids) > cap:  # the budget's last tokens: cut like a model's
+                    sample = Generation(sample.token_ids[:cap], sample.logprobs[:cap], "length")
                 self._consume(a, sample)
             return
         # Episodes drawn together: the same prompt, seed and message count, consecutive sample indices — the
@@ -415,7 +412,7 @@ class AgentRunner:
             return
         observation, reward, done, info = a.env.step(text)
         a.history.append((text, observation))
-        a.notes.append(" ".join(observation.split())[:NOTE_CHARS])
+        a.notes.append(note(observation))
         a.turn_idx += 1
         a.turns_in_segment += 1
         a.episode.n_tool_calls += 1
@@ -471,14 +468,6 @@ def mix_seed(seed: int, index: int) -> int:
     and an episode's seed for its ``index``-th message."""
     digest = hashlib.blake2b(f"focus.episode:{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def summarize_notes(notes: Sequence[str], history: Sequence[tuple[str, str]]) -> str:
-    """Deterministic compressor: the start of each of the segment's last observations, then the last action."""
-    lines = [f"- {note}" for note in notes[-4:] if note]
-    if history:
-        lines.append(f"Last call: {(history[-1][0].splitlines() or [''])[-1]}")
-    return "\n".join(lines)
 
 
 def _last_text(messages: Sequence[dict[str, str]]) -> str:

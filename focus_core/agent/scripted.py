@@ -13,15 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from focus_core.agent.notes import summarize_notes
 from focus_core.agent.toolcall import ToolCall
 from focus_core.envs.base import Task, ToolEnv
-
-
-@dataclass
-class ScriptedGeneration:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"
+from focus_core.policy.base import Generation
 
 
 @dataclass
@@ -44,9 +39,7 @@ class ScriptedActor:
         self.rng = np.random.default_rng(self.seed)
 
     def respond(self, env: ToolEnv, task: Task, history: Sequence[tuple[str, str]], notes: Sequence[str],
-                summarizing: bool) -> ScriptedGeneration:
-        from focus_core.agent.harness import summarize_notes
-
+                summarizing: bool) -> Generation:
         if summarizing:
             text = summarize_notes(notes, history)
         elif self.rng.random() < self.mistake_rate:
@@ -54,7 +47,7 @@ class ScriptedActor:
         else:
             text = env.expert_action(task, list(history))
         ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.end_token_id]
-        return ScriptedGeneration(ids, [0.0] * len(ids))
+        return Generation(ids, [0.0] * len(ids), "stop")
 
 
 def random_action(env: ToolEnv, task: Task, history: Sequence[tuple[str, str]], rng: np.random.Generator) -> str:

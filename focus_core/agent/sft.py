@@ -22,6 +22,7 @@ from focus_core.agent.harness import AgentEpisode, AgentRunner
 from focus_core.agent.scripted import ScriptedActor
 from focus_core.config import AgentConfig, BootstrapConfig, ModelConfig
 from focus_core.envs.base import Task, ToolEnv
+from focus_core.policy.models import tiny_policy
 from focus_core.policy.tokenizer import END, train_tokenizer
 
 IGNORE = -100  # label of tokens the loss skips
@@ -45,8 +46,6 @@ def warm_start(env_factory: Callable[[], ToolEnv], train_tasks: Sequence[Task], 
 
     Returns ``(policy, report)``. Deterministic for a seed, up to float rounding of the training loop.
     """
-    from focus_core.policy.models import tiny_policy  # the policy package imports this module's neighbours
-
     if not train_tasks:
         raise ValueError("warm_start needs training tasks; the environment returned none for its train split")
     env = env_factory()
