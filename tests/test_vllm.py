@@ -234,6 +234,33 @@ def test_load_weights_without_reload_endpoint(fake, tiny_folder, tmp_path):
         restarted.close()
 
 
+def test_load_weights_keeps_one_folder_of_links_and_close_removes_it(fake, tiny_folder, tmp_path):
+    """Regression: each reload of a training checkpoint (its optimizer.safetensors must be hidden from vLLM, which
+    loads every safetensors file) made a new temp folder of links and never removed it."""
+    fake.routes["/collective_rpc"] = lambda body: (200, {"results": [None]})
+    fake.routes["/reset_prefix_cache"] = lambda body: (200, {"success": True})
+    checkpoints = [tmp_path / f"ckpt-{i}" for i in range(4)]
+    for checkpoint in checkpoints:
+        checkpoint.mkdir()
+        (checkpoint / "model.safetensors").write_bytes(b"")
+        (checkpoint / "optimizer.safetensors").write_bytes(b"")
+    policy = VLLMPolicy(fake.url, tiny_folder)
+    for checkpoint in checkpoints[:3]:
+        policy.load_weights(checkpoint)
+    views = [Path(body["kwargs"]["weights_path"]) for body in fake.bodies("/collective_rpc")]
+    assert len(set(views)) == 3 and not set(views) & set(checkpoints)
+    assert [view.exists() for view in views] == [False, False, True]  # only the one the server reads now
+    assert sorted(item.name for item in views[-1].iterdir()) == ["model.safetensors"]
+
+    fake.routes["/collective_rpc"] = lambda body: (500, {"detail": "reload failed"})
+    with pytest.raises(VLLMServerError, match="reload failed"):
+        policy.load_weights(checkpoints[3])
+    failed = Path(fake.bodies("/collective_rpc")[-1]["kwargs"]["weights_path"])
+    assert not failed.exists() and views[-1].exists()  # the server still reads the previous one
+    policy.close()
+    assert not views[-1].exists()
+
+
 def test_save_copies_the_served_folder_with_the_version(fake, tiny_folder, tmp_path):
     policy = VLLMPolicy(fake.url, tiny_folder, version=5)
     policy.save(tmp_path / "out")

@@ -1,8 +1,8 @@
 """The ``vllm`` backend: the ``Policy`` interface over a vLLM OpenAI-compatible server on loopback.
 
-vLLM lives in its own venv and process (``infra/vllm``: ``setup.sh`` builds it, ``server.py`` starts it), because
-its pins clash with the main environment's. This module speaks plain HTTP with the standard library, so the main
-venv needs nothing new:
+vLLM lives in its own venv and process (``infra/vllm``: ``setup.sh`` builds it, the module ``infra.vllm.server``
+starts it), because its pins clash with the main environment's. This module speaks plain HTTP with the standard
+library, so the main venv needs nothing new:
 
     policy = VLLMPolicy.launch(smollm2_folder(), threads=2)      # starts a server it owns; policy.close() stops it
     policy = VLLMPolicy("http://127.0.0.1:8000", folder)         # or attach to a server started on ``folder``
@@ -28,6 +28,9 @@ How each part of the interface maps onto the server (vLLM 0.32):
   ``POST /reset_prefix_cache`` drops KV blocks computed with the old weights. Both need ``VLLM_SERVER_DEV_MODE=1``,
   which ``infra/vllm/server.py`` sets. On a server without them (404) a policy that owns its server restarts it on
   the new folder instead (a full engine start, ~30-60 s on 2 cores); one attached to a foreign server raises.
+  A training checkpoint also holds ``optimizer.safetensors``, which vLLM would load as weights, so the server is
+  handed a temp folder of links without it (``model_view``); the policy keeps one such folder, the one the server
+  reads now, and removes it on ``close``.
 - ``save``: the server cannot hand its weights back, so ``save`` copies the folder it currently serves (written
   by ``HFPolicy.save`` of the trainer) and records the version.
 
@@ -41,11 +44,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
+import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import urllib.error
 import urllib.request
@@ -61,11 +63,9 @@ from focus_core.policy.base import FinishReason, Generation, check_sampling_argu
 from focus_core.policy.hf import METADATA_FILE, read_version
 from focus_core.policy.tokenizer import end_of_turn_ids
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = REPO_ROOT / "infra" / "vllm" / "server.py"
 START_HINT = (
-    "build vLLM's venv once with infra/vllm/setup.sh, then start a server with "
-    "`python infra/vllm/server.py MODEL_FOLDER` or use VLLMPolicy.launch(MODEL_FOLDER)"
+    "build vLLM's venv once with infra/vllm/setup.sh, then start a server (infra/vllm/server.py) with "
+    "`python -m infra.vllm.server MODEL_FOLDER` or use VLLMPolicy.launch(MODEL_FOLDER)"
 )
 
 
@@ -83,16 +83,9 @@ class VLLMServerError(RuntimeError):
 
 
 def launcher() -> ModuleType:
-    """``infra/vllm/server.py`` as a module (infra is not an installed package, so it is loaded by path)."""
-    name = "focus_infra_vllm_server"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, LAUNCHER)
-        if spec is None or spec.loader is None:
-            raise FileNotFoundError(f"the vLLM launcher {LAUNCHER} is missing")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: dataclasses and pickling look the module up by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The module that starts vLLM servers, ``infra.vllm.server`` (installed with the project). Imported on first
+    use, so importing the library loads no infrastructure (tests/test_layering.py)."""
+    return importlib.import_module("infra.vllm.server")
 
 
 class VLLMPolicy:
@@ -113,7 +106,8 @@ class VLLMPolicy:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.weights_path = Path(model).expanduser().resolve()  # the folder whose weights the server holds now
-        self.server = server  # an infra/vllm/server.py VLLMServer when this policy owns the server, else None
+        self.server = server  # an infra.vllm.server VLLMServer when this policy owns the server, else None
+        self.view: Path | None = None  # the folder of links (``model_view``) the server reads, when it needs one
         self.timeout = timeout
         self.max_parallel_requests = max_parallel_requests
         # HTTP never goes through a proxy: the server is on loopback, and proxy variables would break that.
@@ -131,19 +125,27 @@ class VLLMPolicy:
     @classmethod
     def launch(cls, model: str | Path, *, policy_kw: dict | None = None, **server_kw: Any) -> VLLMPolicy:
         """Start a server on ``model`` (keywords go to ``VLLMServer``: threads, dtype, max_model_len, ...) and
-        return a policy that owns it: ``close()`` stops it, and ``load_weights`` can fall back to restarting it."""
-        server = launcher().VLLMServer(model, **server_kw)
-        url = server.start()
+        return a policy that owns it: ``close()`` stops it, and ``load_weights`` can fall back to restarting it.
+        A training checkpoint is served through a folder of links without its optimizer state (``model_view``)."""
+        model = Path(model).expanduser().resolve()
+        served = model_view(model)
+        server = launcher().VLLMServer(served, **server_kw)
         try:
-            return cls(url, model, server=server, **(policy_kw or {}))
+            url = server.start()
+            policy = cls(url, served, server=server, **(policy_kw or {}))
         except BaseException:
             server.stop()
+            remove_view(served, model)
             raise
+        policy.view = None if served == model else served
+        return policy
 
     def close(self) -> None:
-        """Stop the server if this policy started it (``launch``); a no-op for an attached server."""
+        """Stop the server if this policy started it (``launch``; a no-op for an attached server), and remove the
+        folder of links it was reading."""
         if self.server is not None:
             self.server.stop()
+        self._replace_view(None)
 
     def __enter__(self) -> VLLMPolicy:
         return self
@@ -229,7 +231,18 @@ class VLLMPolicy:
                                     "save)")
         served = model_view(path)
         try:
-            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(served)}})
+            self._serve(served)
+        except BaseException:
+            remove_view(served, path)
+            raise
+        self._replace_view(None if served == path else served)
+        self.weights_path = path
+        self.version = version if version is not None else read_version(path, default=self.version + 1)
+
+    def _serve(self, folder: Path) -> None:
+        """Make the server serve the weights in ``folder``: reloaded in place, or by restarting a server we own."""
+        try:
+            self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         except VLLMServerError as error:
             if error.status != 404:
                 raise
@@ -239,14 +252,19 @@ class VLLMPolicy:
                     "place: start it with VLLM_SERVER_DEV_MODE=1 (infra/vllm/server.py does), or create the "
                     "policy with VLLMPolicy.launch so it can restart its own server on the new folder"
                 ) from error
-            self._restart(served)
+            self._restart(folder)
         else:
             # Prefix-cache blocks hold keys/values computed with the old weights; reusing them would be wrong.
             reset = self._post("/reset_prefix_cache", {})
             if not reset.get("success", False):
                 raise VLLMServerError(f"the vLLM server at {self.base_url} could not reset its prefix cache: {reset}")
-        self.weights_path = path
-        self.version = version if version is not None else read_version(path, default=self.version + 1)
+
+    def _replace_view(self, view: Path | None) -> None:
+        """Remember ``view`` as the folder of links the server reads, removing the previous one: the server has
+        loaded the weights it pointed to and never reads it again."""
+        if self.view is not None and self.view != view:
+            shutil.rmtree(self.view, ignore_errors=True)
+        self.view = view
 
     def _restart(self, path: Path) -> None:
         self.base_url = self.server.restart(path).rstrip("/")
@@ -283,7 +301,8 @@ class VLLMPolicy:
         served = [entry.get("root") or entry.get("id") for entry in models]
         raise ValueError(
             f"the vLLM server at {self.base_url} serves {served}, not {expected}. Point the policy at the folder "
-            f"that server was started on, or start one on {expected}: python infra/vllm/server.py {expected}"
+            f"that server was started on, or start one on {expected} (infra/vllm/server.py): "
+            f"python -m infra.vllm.server {expected}"
         )
 
     def _get(self, route: str) -> dict:
@@ -343,7 +362,8 @@ def _http_error(base_url: str, route: str, error: urllib.error.HTTPError) -> VLL
 
 def model_view(path: Path) -> Path:
     """``path``, or when it also holds other safetensors (a training checkpoint: the optimizer state, a value
-    head), a folder of links to everything but those. vLLM loads every ``*.safetensors`` of a folder as weights."""
+    head), a new temp folder of links to everything but those. vLLM loads every ``*.safetensors`` of a folder as
+    weights. The caller removes it (``remove_view``) once the server no longer reads it."""
     others = [f for f in path.glob("*.safetensors") if not f.name.startswith("model")]
     if not others:
         return path
@@ -352,6 +372,12 @@ def model_view(path: Path) -> Path:
         if item not in others:
             (view / item.name).symlink_to(item)
     return view
+
+
+def remove_view(view: Path, path: Path) -> None:
+    """Remove the folder of links ``model_view(path)`` made (nothing when it returned ``path`` itself)."""
+    if view != path:
+        shutil.rmtree(view, ignore_errors=True)
 
 
 def request_seed(seed: int, prompt_index: int | None) -> int:

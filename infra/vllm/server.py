@@ -2,12 +2,12 @@
 
 Why a separate process: vLLM cannot live in the main venv (it pins fastapi<0.137, prefect 3.9 needs >=0.139; the
 CPU build pins its own torch), so the policy talks to it over HTTP on loopback (``focus_core.policy.vllm``). This
-file uses only the standard library, so the main venv's python can run and import it:
+module uses only the standard library, so the main venv's python can run and import it:
 
-    python infra/vllm/server.py .focus-data/models/smollm2-135m-instruct --threads 2   # prints the URL, Ctrl-C stops
+    python -m infra.vllm.server .focus-data/models/smollm2-135m-instruct --threads 2   # prints the URL, Ctrl-C stops
 
-    from focus_core.policy.vllm import launcher
-    with launcher().VLLMServer(folder, threads=1) as server:    # start() on enter, stop() on exit
+    from infra.vllm.server import VLLMServer
+    with VLLMServer(folder, threads=1) as server:    # start() on enter, stop() on exit
         url = server.base_url
 
 Why these server settings:
