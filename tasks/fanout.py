@@ -135,8 +135,7 @@ def play_shard(shard: Shard) -> tuple[list[AgentEpisode], BudgetLedger | None, f
         torch.set_num_threads(1)  # one core per worker process, as the compare flow's workers
     config = validate_config(shard.config)
     ctx = RunContext(ArtifactStore(shard.store_root), shard.run_id, config)
-    policy = _policy(shard.store_root, shard.run_id, shard.policy.iteration, shard.policy.stage,
-                     shard.policy.hash, threading.get_ident())
+    policy = worker_policy(shard.store_root, shard.policy, threading.get_ident())
     ledger = None if shard.budget is None else BudgetLedger(shard.budget)
     started = time.perf_counter()
     episodes = AgentRunner(policy, env_factory(ctx), AgentConfig.model_validate(shard.agent)).run(
@@ -146,16 +145,17 @@ def play_shard(shard: Shard) -> tuple[list[AgentEpisode], BudgetLedger | None, f
 
 
 @functools.lru_cache(maxsize=8)
-def _policy(store_root: str, run_id: str, iteration: int, stage: str, manifest_hash: str, thread: int) -> HFPolicy:
-    """A worker loads each checkpoint once (a stage's shards, then the next stage's, use the same one); each
+def worker_policy(store_root: str, manifest: Manifest, thread: int) -> HFPolicy:
+    """The checkpoint of the policy stage ``manifest`` (the one the shard carries), if the store still holds that
+    stage. A worker loads each checkpoint once (a stage's shards, then the next stage's, use the same one); each
     thread its own copy, since a policy's generate is not made for two threads at once."""
     store = ArtifactStore(store_root)
-    manifest = store.manifest(run_id, iteration, stage)
-    if manifest is None or manifest.hash != manifest_hash:
-        raise RuntimeError(f"run {run_id}: the policy of {stage} at iteration {iteration} is not the one the stage "
-                           f"was given (its manifest changed or is gone); rerun the stage")
+    stored = store.manifest(manifest.run_id, manifest.iteration, manifest.stage)
+    if stored is None or stored.hash != manifest.hash:
+        raise RuntimeError(f"run {manifest.run_id}: the policy of {manifest.stage} at iteration {manifest.iteration} "
+                           f"is not the one the stage was given (its manifest changed or is gone); rerun the stage")
     with _LOADING:  # transformers builds a model on the meta device process-wide: one load at a time
-        return policy_at(RunContext(store, run_id, validate_config({})), manifest)
+        return policy_at(RunContext(store, manifest.run_id, validate_config({})), manifest)
 
 
 _LOADING = threading.Lock()

@@ -42,7 +42,7 @@ def test_threads_load_the_policy_one_at_a_time(tmp_path):
     import threading
 
     from focus_core.policy import tiny_policy, train_tokenizer
-    from tasks.fanout import _policy
+    from tasks.fanout import worker_policy
 
     tiny_policy(train_tokenizer(["look up the answer"] * 20, vocab_size=300), layers=1, hidden=32, heads=2,
                 intermediate=64, max_context=256).save(tmp_path / "policy")
@@ -53,7 +53,7 @@ def test_threads_load_the_policy_one_at_a_time(tmp_path):
     def load() -> None:
         start.wait()
         try:
-            loaded.append(_policy(store.root, "r", 0, "bootstrap", manifest.hash, threading.get_ident()))
+            loaded.append(worker_policy(store.root, manifest, threading.get_ident()))
         except Exception as error:  # noqa: BLE001 - the test reports it
             errors.append(error)
 
