@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from focus_core.agent.toolcall import ToolCall
-from focus_core.envs import ENVIRONMENTS, make_env
+from focus_core.envs import ENVIRONMENTS, code_corpus, code_tasks, code_tools, make_env
 from focus_core.envs import code_localization as cl
 from focus_core.envs import code_mutations as cm
 from focus_core.envs.text import cut
@@ -131,7 +131,7 @@ def test_tasks_on_disk_are_the_generated_ones(quick, quick_text):
     # generation makes, field for field (facts included), in order.
     for env, tier in ((quick, "default"), (quick_text, "text")):
         every = env.tasks("train", tier) + env.tasks("heldout", tier)
-        fresh = cl.CodeLocalizationEnv(modules=QUICK)._generate(tier)
+        fresh = cl.CodeLocalizationEnv(modules=QUICK).generate_tasks(tier)
         assert sorted(every, key=lambda t: t.task_id) == sorted(fresh, key=lambda t: t.task_id)
         assert [t for t in fresh if t.split == "train"] == env.tasks("train", tier)
 
@@ -176,7 +176,7 @@ def test_text_expert_solves_quick_tasks_within_limits(quick_text):
         assert reward == 1.0 and info["function_hit"] and info["file_hit"]
         assert 6 <= turns <= 20
         assert all(len(obs) <= 350 and not obs.startswith("Error") for _, obs in history)
-        assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
+        assert not any(secret in obs for _, obs in history for secret in code_tasks.host_paths())
 
 
 @pytest.mark.parametrize("tier", ["default", "text"])
@@ -227,15 +227,15 @@ def test_default_tier_expert_solves_quick_tasks(quick):
     assert tasks and all(t.tier == "default" for t in tasks)
     for task in tasks:
         f = task.facts
-        assert len(task.prompt) <= 300 and 1 <= f["gold"] <= len(f["candidates"]) <= cl.READER_FUNCTIONS
+        assert len(task.prompt) <= 300 and 1 <= f["gold"] <= len(f["candidates"]) <= code_tasks.READER_FUNCTIONS
         reward, turns, history, info = play(quick, task, expert(quick))
         assert reward == 1.0 and info["function_hit"] and info["page_hit"]
-        assert 6 <= turns == cl.reader_expert_turns(f) <= 20  # no task ends on the first two pages
+        assert 6 <= turns == code_tasks.reader_expert_turns(f) <= 20  # no task ends on the first two pages
         bug_page = history[-2][1]  # the page submitted shows the mutated line
         assert f"[fn {f['gold']} of {len(f['candidates'])}, page {f['gold_page']}/" in bug_page.split("\n")[-1]
         assert all(len(obs) <= 400 and not obs.startswith("Error") for _, obs in history)
-        assert all(cl._READER_FOOTER.search(obs) for _, obs in history[:-1])  # every step says where it is
-        assert not any(secret in obs for _, obs in history for secret in cl._host_paths())
+        assert all(code_tools.READER_FOOTER.search(obs) for _, obs in history[:-1])  # every step says where it is
+        assert not any(secret in obs for _, obs in history for secret in code_tasks.host_paths())
         for action, _ in history:  # one fixed thought line naming nothing, then a call without arguments
             thought, call = action.split("\n")
             assert thought in THOUGHTS and not any(q.split(".")[-1] in thought for q in f["candidates"])
@@ -334,8 +334,8 @@ def test_default_tier_lists_what_the_test_runs_in_file_order(quick):
     marked = raised = 0
     for task in quick.tasks("train") + quick.tasks("heldout"):
         f = task.facts
-        text = cl._repo(QUICK).files[f["path"]]
-        lines = [cl._def_order(text)[q] for q in f["candidates"]]
+        text = code_corpus.repo_of(QUICK).files[f["path"]]
+        lines = [code_tasks.def_order(text)[q] for q in f["candidates"]]
         assert lines == sorted(lines) and len(set(f["candidates"])) == len(f["candidates"])
         assert f["candidates"][f["gold"] - 1] == f["qualname"]
         quick.reset(task)
@@ -367,7 +367,8 @@ def test_default_tier_tasks_are_crash_bugs_on_the_traceback_path(quick):
         f = task.facts
         assert task.prompt.startswith("ERROR: "), task.prompt  # an exception, not a failed assertion
         frames = {int(line) for line in re.findall(rf"{f['module']}\.py:(\d+) in ", "\n".join(f["trace"]))}
-        shown = {number for number, _ in cl._reader_lines(f, f["gold"], f["gold_page"])}
+        pages = cl.TIERS["default"].pages
+        shown = {number for number, _ in code_tools.reader_lines(f, f["gold"], f["gold_page"], pages)}
         assert frames & shown or len(f["trace"]) == 8  # (the trace shows the six innermost frames only)
         on_raised_page += f["raised"] is not None and f["raised"][:2] == [f["gold"], f["gold_page"]]
     assert on_raised_page >= 0.8 * len(tasks)
@@ -382,7 +383,7 @@ def test_default_tier_keeps_each_mutant_of_a_function_as_a_task(full):
     for task in train:
         per_function.setdefault(task.answer, set()).add(task.facts["start"])
     assert max(len(starts) for starts in per_function.values()) > 1
-    assert all(sum(t.answer == answer for t in train) <= cl.TIERS["default"].tasks_per_function
+    assert all(sum(t.answer == answer for t in train) <= cl.TIERS["default"].tasks.tasks_per_function
                for answer in per_function)
 
 
@@ -404,7 +405,8 @@ def test_tier_tools_differ_and_mismatched_tasks_are_rejected(quick, quick_text):
 
 @pytest.fixture
 def episode(quick_text, tmp_path, monkeypatch):
-    monkeypatch.setattr(cl, "_workspace_dir", lambda: tmp_path / "ws")  # a planted link must not outlive the test
+    # A planted link must not outlive the test.
+    monkeypatch.setattr(code_corpus, "workspace_dir", lambda: tmp_path / "ws")
     task = quick_text.tasks("train", tier="text")[0]
     quick_text.reset(task)
     return quick_text, task

@@ -1,53 +1,20 @@
-"""SWE-bench-style code localization adapter: find the functions that a real GitHub issue's fix edits.
+"""SWE-bench-style code localization: find the functions that a real GitHub issue's fix edits.
 
-Why. Code localization benchmarks (LocAgent's Loc-Bench, arXiv:2503.09089; RepoSearcher/ToolTrain,
-arXiv:2508.03012) take SWE-bench instances, a real issue plus the pre-fix repository, and ask for the files and
-functions that the merged fix changed. Our embedded ``code_localization`` env is the CPU stand-in with injected
-bugs; this adapter runs real instances through the same tools, for users who have the data.
+Data (constructor arguments; nothing is downloaded): ``dataset``, a SWE-bench-style file (JSONL, JSON list or
+parquet with ``instance_id``, ``repo``, ``base_commit``, ``problem_statement``, ``patch``: SWE-bench Lite/Verified,
+Loc-Bench, SWE-Gym), and ``repos_dir``, one checkout per instance at ``<repos_dir>/<instance_id>`` at its
+``base_commit``. The gold functions are those whose source the patch changes (tests and new files left out).
 
-Data (paths are constructor arguments; nothing is downloaded):
-
-* ``dataset``: SWE-bench Lite / Verified (HF ``princeton-nlp/SWE-bench_Lite``, ``princeton-nlp/SWE-bench_Verified``,
-  split ``test``) or any dataset with the same columns (Loc-Bench ``czlll/Loc-Bench_V1``, SWE-Gym), saved as JSONL,
-  a JSON list or parquet. Fields used: ``instance_id``, ``repo`` ("owner/name"), ``base_commit``,
-  ``problem_statement`` (the issue) and ``patch`` (the gold fix as a unified git diff; tests are in ``test_patch``).
-  Other fields (hints_text, test_patch, FAIL_TO_PASS, version, ...) are ignored.
-* ``repos_dir``: one checkout per instance at ``<repos_dir>/<instance_id>``, at ``base_commit``. One folder per
-  instance (not per repo@commit) so the lookup needs nothing but the id; git worktrees make them cheap:
-  ``git clone https://github.com/<repo> mirror; git -C mirror worktree add --detach <repos_dir>/<instance_id>
-  <base_commit>``. Each checkout is checked against the patch's pre-image lines (a clear error if it is not at
-  ``base_commit``).
-
-Gold locations. The patch is parsed into hunks and applied to the checkout's file; a function is gold when its
-source differs between the pre- and the post-patch file (so pure insertions and edits of decorators count, and a
-moved but unchanged function does not). Functions are top-level functions and methods of (nested) classes as
-``path::Class.method``; nested functions belong to their outer function (LocAgent's function level); a getter and
-its setter share one name. Gold files are the ``.py`` files the patch changes, except tests (``tests/``,
-``test_*.py``, ``*_test.py``, ``conftest.py``) and files the patch creates, which the agent cannot find. Class-body
-or module-level edits count at file level only. If a file does not parse, its functions come from the hunk headers
-(best effort). Instances without a gold ``.py`` file are skipped (listed in ``skipped``).
-
-Tools. ``ls``, ``grep``, ``open`` as in ``code_localization`` (its sandbox is inherited: paths are resolved inside
-the checkout; absolute paths, ``..``, symlinks and over-long paths are refused) plus: VCS folders (``.git``,
-``.hg``, ``.svn``; a worktree's ``.git`` file names a host path) are hidden, since history can hold the fix.
-``search(query)`` is BM25 over the checkout's functions (name, parameters, docstring). Tools only read.
-``submit(locations)`` takes ranked candidates, most likely first, separated by commas or new lines:
-``"pkg/mod.py::Class.method, pkg/other.py::func, pkg/third.py"`` (LocAgent's ``file.py:Class.method`` is read too).
-
-Metrics and reward. Files are ranked by first appearance among the candidates, functions are the candidates with
-``::``. Acc@k (k = 1, 5, 10; LocAgent's definition) is 1 when *all* gold files (functions) are in the top k;
-``info`` reports it at file and function level. Acc@1 is impossible when the fix edits two functions, so the
-reward is the function-level hit@1: 1 when the top function candidate is a gold function (equal to Acc@1 for
-single-function fixes). Instances whose fix edits no function are rewarded with the file-level hit@1.
-
-Split. SWE-bench Lite/Verified are test sets: every task is held out by default; pass ``split="train"`` for a
-training dataset (e.g. SWE-Gym). The expert is an oracle that reads the gold functions and submits them.
+Tools: ``ls``, ``grep``, ``open``, ``search`` over the checkout (``code_tools.RepoSandbox``; VCS folders hidden)
+and ``submit(locations)``, ranked candidates ``path::Class.method`` or ``path``, most likely first. Reward: the
+function-level hit@1 (the file-level hit@1 when the fix edits no function); ``info`` reports Acc@1/5/10 at file and
+function level. One tier; every task is held out unless ``split="train"``. The expert is an oracle. The data
+format and metric details are in docs/environments.md.
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import os
 import posixpath
 import re
@@ -56,17 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from focus_core.agent.toolcall import ToolCall, ToolSpec
-from focus_core.envs import code_localization as cl
-from focus_core.envs import code_mutations as cm
 from focus_core.envs import register_env
 from focus_core.envs.base import SPLITS, Task, ToolEnv, ToolFailure, ToolResult
 from focus_core.envs.browsecomp_plus import read_records, record_files
-from focus_core.envs.text import Bm25, cut, fit, identifier_words
+from focus_core.envs.code_tools import Pages, RepoSandbox, is_outside_path
 from focus_core.ids import task_id
 
 VERSION = "swebench-loc-v1"  # part of every task id
 HIDDEN = frozenset({".git", ".hg", ".svn"})
-TIER = cl.Tier(page_lines=50, line_chars=160, grep_hits=25, search_k=10, max_chars=6000, test_pages=1)
+PAGES = Pages(page_lines=50, line_chars=160, result_chars=160, grep_hits=25, search_k=10, max_chars=6000)
 MAX_ISSUE_CHARS, MAX_CANDIDATES, KS = 12_000, 50, (1, 5, 10)
 INSTRUCTION = ('Find the functions that must change to fix this issue. End with submit(locations="path/file.py::'
                'Class.method, path/other.py::function"), most likely first.')
@@ -258,48 +223,27 @@ def localization_metrics(candidates: list[str], gold_files: list[str], gold_func
     return metrics
 
 
-# -- search over a checkout's functions --------------------------------------------------------------------------------
+# -- the tools ----------------------------------------------------------------------------------------------------
 
-class FunctionIndex:
-    """BM25 over the functions of a checkout (names, parameters, first docstring line), as in code_localization."""
+class CheckoutSandbox(RepoSandbox):
+    """``ls``, ``grep``, ``open`` and ``search`` over a checkout, its VCS folders hidden (history can hold the fix,
+    and a worktree's ``.git`` file names a host path)."""
 
-    def __init__(self, root: Path) -> None:
-        self.entries: list[tuple[str, str, int, str]] = []  # (path, qualname, def line, summary)
-        corpus = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames
-                                 if d not in HIDDEN and not os.path.islink(os.path.join(dirpath, d)))
-            for name in sorted(n for n in filenames if n.endswith(".py")):
-                path = Path(dirpath) / name
-                if path.is_symlink():
-                    continue
-                rel = path.relative_to(root).as_posix()
-                try:
-                    tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
-                except (SyntaxError, ValueError):
-                    continue
-                for entity, node in cm.entities(tree):
-                    params = ", ".join(a.arg for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])
-                    doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
-                    self.entries.append((rel, entity.qualname, entity.def_line, f"({params}) {doc}".strip()))
-                    words = identifier_words(f"{rel.removesuffix('.py')} {entity.qualname} {params} {doc}")
-                    corpus.append(words or ["_"])
-        self.bm25 = Bm25(corpus)
+    hidden = HIDDEN
+    examples = "'.' or 'pkg/module.py'"
+    ls_reserve = 80
 
-    def search(self, query: str, k: int) -> list[int]:
-        return self.bm25.top(identifier_words(query), k)
-
-
-@functools.lru_cache(maxsize=8)
-def function_index(root: str) -> FunctionIndex:
-    return FunctionIndex(Path(root))
+    def resolve(self, path: str) -> tuple[Path, str]:
+        if is_outside_path(path.strip()):  # refused as outside before any length check
+            raise ToolFailure(f"use a path inside the repository, such as {self.examples}")
+        return super().resolve(path)
 
 
 # -- the environment -------------------------------------------------------------------------------------------------
 
 @register_env("swebench_loc")
-class SWEBenchLocEnv(cl.CodeLocalizationEnv):
-    """Real issues over their pre-fix checkouts; the sandbox (ls/grep/open) is code_localization's."""
+class SWEBenchLocEnv(ToolEnv):
+    """Real issues over their pre-fix checkouts; the sandbox is ``code_tools.RepoSandbox`` with VCS folders hidden."""
 
     tools = (
         ToolSpec("ls", "list a directory of the repository", (
@@ -322,7 +266,7 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
                  tier: str = "default") -> None:
         if tier != "default":
             raise ValueError(f"swebench_loc has one tier, 'default' (got {tier!r})")
-        super().__init__()
+        super().__init__(tier)
         self.dataset_path, self.repos_dir = Path(dataset), Path(repos_dir)
         record_files(self.dataset_path, FIX_DATASET, SWEBenchDataError)  # fail early on a wrong path
         if not self.repos_dir.is_dir():
@@ -331,7 +275,8 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}")
         self.split = split
-        self.tier, self.max_observation_chars = TIER, TIER.max_chars
+        self.max_observation_chars = PAGES.max_chars
+        self.sandbox: CheckoutSandbox | None = None  # the current task's (reset makes it)
         self.skipped: list[tuple[str, str]] = []  # (instance_id, why)
         self._all: list[Task] | None = None
 
@@ -386,56 +331,18 @@ class SWEBenchLocEnv(cl.CodeLocalizationEnv):
                                   ", ".join(functions or files), iid, facts))
         return tasks
 
-    # -- tools: code_localization's sandbox, with VCS folders hidden ----------------------------------------------
+    # -- tools ---------------------------------------------------------------------------------------------------
 
     def reset(self, task: Task) -> str:
-        observation = ToolEnv.reset(self, task)
-        self.root = self._workspace()
+        observation = super().reset(task)
+        facts = task.facts
+        self.sandbox = CheckoutSandbox(self.checkout(facts["instance_id"], facts["repo"], facts["base_commit"]), PAGES)
         return observation
-
-    def _workspace(self) -> Path:
-        facts = self.task.facts
-        return self.checkout(facts["instance_id"], facts["repo"], facts["base_commit"])
 
     def run_tool(self, call: ToolCall) -> ToolResult:
         if call.name == "submit":
             return self._submit(call.arguments["locations"])
-        return super().run_tool(call)  # ls, grep, open, search (ours, below)
-
-    def _resolve(self, path: str) -> tuple[Path, str]:
-        raw = path.strip()
-        if raw.startswith(("/", "~", "\\")) or "\x00" in raw or re.match(r"[A-Za-z]:", raw):
-            raise ToolFailure("use a path inside the repository, such as '.' or 'pkg/module.py'")
-        full, rel = super()._resolve(path)
-        if HIDDEN & set(rel.split("/")):
-            raise ToolFailure(f"no such file or directory: {rel[:60]!r}")
-        return full, rel
-
-    def _files(self, full: Path, rel: str) -> list[tuple[Path, str]]:
-        return [(path, name) for path, name in super()._files(full, rel) if not HIDDEN & set(name.split("/"))]
-
-    def _ls(self, path: str, start: int) -> str:
-        full, rel = self._resolve(path)
-        if not full.is_dir():
-            raise ToolFailure(f"{rel} is a file; use open(path={rel!r})")
-        names = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(full)
-                       if not e.is_symlink() and e.name not in HIDDEN)
-        if not 0 <= start < max(len(names), 1):
-            raise ToolFailure(f"start must be between 0 and {max(len(names) - 1, 0)}")
-        shown = fit(names[start:], self.tier.max_chars - 80) if names else []
-        more = len(names) - start - len(shown)
-        tail = f"\n(+{more} more: ls(path={rel!r}, start={start + len(shown)}))" if more else ""
-        return f"{rel}/: " + " ".join(shown) + tail
-
-    def _search(self, query: str) -> str:
-        if not query.strip() or len(query) > 200:
-            raise ToolFailure("the query must be 1 to 200 characters")
-        index = function_index(str(self.root))
-        results = [cut(f"{path}::{qualname} L{line} {summary}", self.tier.line_chars)
-                   for path, qualname, line, summary in (index.entries[i] for i in index.search(query, TIER.search_k))]
-        if not results:
-            return f"No function matches {query!r}."
-        return f"{len(results)} results:\n" + "\n".join(fit(results, self.tier.max_chars - 20))
+        return self.sandbox.run(call)  # ls, grep, open, search
 
     def _submit(self, locations: str) -> ToolResult:
         candidates = parse_locations(locations)
