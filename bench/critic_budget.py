@@ -54,7 +54,8 @@ from focus_core.acquisition import (
 from focus_core.advantages import segment_td_lambda_batch
 from focus_core.config import AcquisitionConfig, AdvantageConfig, CriticConfig
 from focus_core.critic import EnsembleCritic, out_of_bag_mean
-from focus_core.envs.traps import ExactValueEnv, make_trap_env
+from focus_core.envs import make_trap_env
+from focus_core.envs.traps import ExactValueEnv
 from focus_core.features import hashed_text_features, with_scalar_features
 
 FULL_GRID = {

@@ -10,16 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from focus_core.envs import (
-    TRAP_ENVS,
+from focus_core.envs import make_trap_env, trap_env_names
+from focus_core.envs.traps import (
+    READ,
     CombinationLock,
     ExactValueEnv,
+    LockState,
     LookupChain,
+    LookupState,
     TabularPolicy,
     TextSession,
-    make_trap_env,
 )
-from focus_core.envs.traps import READ, LockState, LookupState
 
 ENV_CONFIGS = [
     ("combination_lock", {}),
@@ -209,7 +210,7 @@ def test_lookup_poisoned_states_are_worth_zero_and_the_trap_is_invisible_until_t
 
 
 def test_default_policies_have_varied_non_degenerate_initial_values():
-    for name in TRAP_ENVS:
+    for name in trap_env_names():
         values = []
         for env_seed in range(10):
             env = make_trap_env(name, seed=env_seed)

@@ -6,9 +6,11 @@ and whatever registered itself is known. A new environment is one new file here.
 
     env = make_env("deep_search")            # a ToolEnv (the protocol is in focus_core/envs/base.py)
     environment_names()                      # every registered name, sorted
+    trap = make_trap_env("combination_lock", seed=3)  # the tabular MDP behind a trap environment
 
-``traps`` holds small text MDPs with exactly computable state values; ``trap_tools`` puts them behind
-the same ``ToolEnv`` protocol as the pipeline environments ``combination_lock`` and ``lookup_chain``.
+The trap environments (``has_exact_values``: ``combination_lock``, ``lookup_chain``) are registered like any
+other (``trap_tools``); behind each is a small text MDP of ``traps`` whose state values are exactly computable,
+which ``make_trap_env`` builds from the same name.
 """
 
 from __future__ import annotations
@@ -18,20 +20,9 @@ import pkgutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from focus_core.envs.traps import (
-    TRAP_ENVS,
-    CombinationLock,
-    Episode,
-    ExactValueEnv,
-    LookupChain,
-    Paraphrased,
-    TabularPolicy,
-    TextSession,
-    make_trap_env,
-)
-
 if TYPE_CHECKING:
     from focus_core.envs.base import ToolEnv
+    from focus_core.envs.traps import ExactValueEnv
 
 ENVIRONMENTS: dict[str, type[ToolEnv]] = {}
 
@@ -68,18 +59,20 @@ def make_env(name: str, **kwargs: Any) -> ToolEnv:
     return ENVIRONMENTS[name](**kwargs)
 
 
-__all__ = [
-    "ENVIRONMENTS",
-    "TRAP_ENVS",
-    "CombinationLock",
-    "Episode",
-    "ExactValueEnv",
-    "LookupChain",
-    "Paraphrased",
-    "TabularPolicy",
-    "TextSession",
-    "environment_names",
-    "make_env",
-    "make_trap_env",
-    "register_env",
-]
+def trap_env_names() -> list[str]:
+    """The registered environments with exact values (a tabular MDP behind them), sorted."""
+    _import_all()
+    return sorted(name for name, cls in ENVIRONMENTS.items() if cls.has_exact_values)
+
+
+def make_trap_env(name: str, *, paraphrase: bool = False, **kwargs: Any) -> ExactValueEnv:
+    """The tabular MDP behind a registered trap environment, e.g. ``make_trap_env("combination_lock", seed=3)``:
+    ``kwargs`` go to the MDP's constructor (its own defaults, not the pipeline environment's);
+    ``paraphrase=True`` wraps it in ``Paraphrased``."""
+    if name not in trap_env_names():
+        raise ValueError(f"unknown trap environment {name!r}; known: {', '.join(trap_env_names())}")
+    # Every environment with exact values is a trap_tools.TrapToolEnv, which builds its MDP.
+    return ENVIRONMENTS[name].exact_value_model(paraphrase=paraphrase, **kwargs)
+
+
+__all__ = ["ENVIRONMENTS", "environment_names", "make_env", "make_trap_env", "register_env", "trap_env_names"]

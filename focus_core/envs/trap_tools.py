@@ -1,6 +1,8 @@
 """The trap MDPs as pipeline environments, and the exact held-out value of an LM policy on them.
 
-Environments (``env.name``), each a ``ToolEnv`` around a trap of ``focus_core.envs.traps``:
+Environments (``env.name``), each a ``ToolEnv`` around a trap of ``focus_core.envs.traps``, whose tabular MDP
+(exact V^π of every state, for any ``TabularPolicy``) ``exact_value_model`` builds and ``make_trap_env(name)``
+reaches through the registry:
 
 * ``combination_lock`` - ``CombinationLock(clues=True)``: 6 dials, 3 symbols; each dial shows a clue word whose
   family decides the right symbol by a fixed mapping, the same for every lock (``Lock: dial 3 of 6. Set so far:
@@ -27,15 +29,14 @@ Protocol. An observation is the list of actions, each with its call, then the tr
 
 The first one follows the task prompt (``first_observation``). The calls are argument-free tools named by their
 place in the list, so the first token the policy writes is its decision, and the decisive text is last, next
-to where it writes; prompts are short. (Measured with the default tiny model on the lock: writing
-``choose(n=3)`` in a 190-token context, SFT never made the digit depend on the clue; with these calls in a
-60-token context, 160 steps reach a held-out success of about 0.5.) The message the harness decodes must equal
-a listed call. Anything else - a malformed call, another spelling (``third( )``), a call not on the list - is
-an *off-menu* message: its observation is the unchanged one followed by the fixed line ``Error: not one of the
-listed calls.``; it uses one agent turn (``agent.max_turns``), no turn of the trap, and leaves the trap's state
-as it was. Transitions are deterministic, so a branch replays its calls. The scripted expert plays the optimal
-action (the clue's symbol; the advancing search, read or answer) from any history; SFT's injected mistakes are
-random calls among ``first()`` .. ``sixth()``, so some are wrong actions and some off-menu.
+to where it writes; prompts are short, because a from-scratch tiny model finds the decisive word in a short
+context and not in a long one. The message the harness decodes must equal a listed call. Anything else - a
+malformed call, another spelling (``third( )``), a call not on the list - is an *off-menu* message: its
+observation is the unchanged one followed by the fixed line ``Error: not one of the listed calls.``; it uses one
+agent turn (``agent.max_turns``), no turn of the trap, and leaves the trap's state as it was. Transitions are
+deterministic, so a branch replays its calls. The scripted expert plays the optimal action (the clue's symbol;
+the advancing search, read or answer) from any history; SFT's injected mistakes are random calls among
+``first()`` .. ``sixth()``, so some are wrong actions and some off-menu.
 
 Exact evaluation (``ExactEvaluator``, ``exact_evaluation``). With ``agent.compression: observation`` (the Markov
 context) the policy's context at a state is [system, task prompt + newline + the state's observation], a
@@ -51,9 +52,8 @@ can never apply (checked).
 
 The one assumption: a message counts as a listed action only through its canonical tokenization. A sample that
 decodes (the harness strips whitespace and special tokens) to a listed call through other token ids is
-accepted by the environment but counted as off-menu by the recursion. In ``tests/test_trap_pipeline.py``'s
-2,000 sampled episodes of a 1-layer SFT policy that happened for 8 of 14,079 accepted messages (0.06%; the
-model emitted an extra ``<|assistant|>`` before the call).
+accepted by the environment but counted as off-menu by the recursion (rare: e.g. a model that emits an extra
+special token before the call).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ import numpy as np
 from focus_core.agent.toolcall import ToolCall, ToolSpec
 from focus_core.envs import register_env
 from focus_core.envs.base import Task, ToolEnv, ToolFailure, ToolResult
-from focus_core.envs.traps import CombinationLock, ExactValueEnv, LookupChain
+from focus_core.envs.traps import CombinationLock, ExactValueEnv, LookupChain, Paraphrased
 from focus_core.ids import task_id
 
 GENERATOR_VERSION = 1  # bump when tasks change; part of every task id
@@ -115,6 +115,14 @@ class TrapToolEnv(ToolEnv):
         self._tasks: dict[str, list[Task]] = {}
         self._trap_now: ExactValueEnv | None = None
         self._state: Hashable = None
+
+    @classmethod
+    def exact_value_model(cls, *, paraphrase: bool = False, **trap_options: Any) -> ExactValueEnv:
+        """The tabular MDP itself, with exact state values: ``trap_class`` built from ``trap_options`` over the trap's
+        own constructor defaults (not ``defaults``, which are this environment's); ``paraphrase=True`` wraps it in
+        ``Paraphrased``. ``make_trap_env(name)`` reaches it through the registry."""
+        trap = cls.trap_class(**trap_options)
+        return Paraphrased(trap) if paraphrase else trap
 
     # -- what each trap defines --------------------------------------------------------------------------------
 
@@ -186,8 +194,7 @@ class TrapToolEnv(ToolEnv):
     # -- ToolEnv -----------------------------------------------------------------------------------------------
 
     def system_prompt(self) -> str:
-        # Short on purpose, like the prompts: a from-scratch tiny model finds the decisive word in a context of
-        # about 60 tokens within 200 SFT steps, and not at all in one of 190 (measured on the lock).
+        # Short on purpose, like the prompts: a from-scratch tiny model finds the decisive word only in a short context.
         return "Reply with one of the listed calls."
 
     def tasks(self, split: str, tier: str | None = None) -> list[Task]:

@@ -17,7 +17,9 @@ V^π(s) = Σ_a π(a|s) Σ_s' p(s'|s,a) (r + V^π(s')) is computed exactly by mem
 already poisoned) are not expanded. Episodes are cut into segments every ``segment_every`` turns, the way
 context compression cuts agent rollouts, and ``Episode`` reports per-segment rewards and token counts.
 
-``TextSession`` wraps an environment in the reset/step text protocol of the agent harness.
+``TextSession`` wraps an environment in the reset/step text protocol of the agent harness. Each MDP is reached
+through the one registry: ``focus_core/envs/trap_tools.py`` registers it as a pipeline environment, and
+``make_trap_env(name)`` (``focus_core/envs/__init__.py``) builds the MDP itself.
 """
 
 from __future__ import annotations
@@ -869,18 +871,3 @@ class Paraphrased(ExactValueEnv):
         later = (ParaphrasedState(s, int(v)) for s, v in zip(episode.states[1:], variants, strict=True))
         episode.states = [start, *later]
         return episode
-
-
-TRAP_ENVS: dict[str, type[ExactValueEnv]] = {
-    CombinationLock.name: CombinationLock,
-    LookupChain.name: LookupChain,
-}
-
-
-def make_trap_env(name: str, *, paraphrase: bool = False, **kwargs: Any) -> ExactValueEnv:
-    """Build a trap environment by its registry name, e.g. ``make_trap_env("combination_lock", seed=3)``;
-    ``paraphrase=True`` wraps it in ``Paraphrased``."""
-    if name not in TRAP_ENVS:
-        raise ValueError(f"unknown trap environment {name!r}; known: {', '.join(sorted(TRAP_ENVS))}")
-    env = TRAP_ENVS[name](**kwargs)
-    return Paraphrased(env) if paraphrase else env
