@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -98,9 +97,10 @@ class Settings:
         return self.pool + self.reference
 
 
-# Quick: fewer demonstrations and a shorter SFT. (A fresh machine's first code_localization run also plans its
-# tasks, 1.5-3 min, then cached under FOCUS_DATA_DIR.)
-QUICK_SETTINGS = Settings(prompts=8, pool=9, reference=16, sft_seconds=150.0, demonstrations=300, measure_episodes=16)
+# Quick: a smoke-sized version of the full run that fits 10 minutes on 2 cores from nothing: 4 tasks, a 90 s SFT on
+# 300 demonstrations, 8 reference draws. (A fresh machine's first code_localization run also builds its mutants and
+# plans its tasks, ~3.5 min of one core, then cached under FOCUS_DATA_DIR.)
+QUICK_SETTINGS = Settings(prompts=4, pool=9, reference=8, sft_seconds=90.0, demonstrations=300, measure_episodes=16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def run_env(env: str, grid: dict, settings: Settings, store: str, init: str | No
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="3 seeds, 7 strategies, a shorter SFT on 300 demonstrations, 8 prompts and 16 reference "
+                        help="3 seeds, 7 strategies, a 90 s SFT on 300 demonstrations, 4 prompts and 8 reference "
                              "draws (a rerun on its --store only replays)")
     parser.add_argument("--seeds", type=int, help="replay seeds (default 5, quick 3)")
     parser.add_argument("--envs", nargs="+", choices=EMBEDDED_ENVS, help="environments to run")
@@ -403,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="artifact store for the states and dense returns (reused by later runs)")
     parser.add_argument("--init", help="a run id (in --store) or run path whose committed bootstrap is the policy "
                                        "(must be of the same env; default: a fresh SFT warm start)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, help="processes (default: one per environment; each runs torch on "
+                                                    "one thread, so 3 on 2 cores finish sooner than 2)")
     add_output_options(parser)
     args = parser.parse_args(argv)
     if args.from_json:
@@ -416,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict] = []
     infos: list[dict] = []
-    with ProcessPoolExecutor(max_workers=min(args.workers, len(grid["envs"]))) as pool:
+    with ProcessPoolExecutor(max_workers=min(args.workers or len(grid["envs"]), len(grid["envs"]))) as pool:
         futures = {env: pool.submit(run_env, env, grid, settings, args.store, args.init) for env in grid["envs"]}
         for env, future in futures.items():
             env_rows, info = future.result()
