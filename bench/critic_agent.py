@@ -145,7 +145,7 @@ def agent_states(env: str, settings: Settings, store: str, init: str | None) -> 
                                           "store": ctx.store.root})
     policy = bootstrap.fn(ctx)
     # An unbounded ledger: the benchmark's budget is applied in the replay, the rollout must not cut episodes.
-    ctx = ctx.with_budget(10**12)
+    ctx = ctx.with_tokens_per_iteration(10**12)
     main = rollout.fn(ctx, 0, policy)
     seg = segment.fn(ctx, 0, main, policy)
     states, rollouts, episodes = read(ctx, seg, "states"), read(ctx, main, "rollouts"), read(ctx, main, "episodes")

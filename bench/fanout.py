@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = RunContext(store, "bench-fanout", cfg)
         store.write_run_info(ctx.run_id, {"status": "running", "config": config_to_dict(cfg), "store": store.root})
         policy = bootstrap.fn(ctx)
-        ctx = ctx.with_budget(10**12)  # nothing is cut: the two settings play the same episodes
+        ctx = ctx.with_tokens_per_iteration(10**12)  # nothing is cut: the two settings play the same episodes
         results, tables = {}, {}
         # The first sharded stage of a process also starts the workers (torch imports, each worker's Prefect
         # client and, without PREFECT_API_URL, its own ephemeral API, the policy load); later stages find them warm.
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, shards in (("serial", 1), (f"{dask}_first", args.workers), (dask, args.workers)):
             sharded = cfg.model_copy(update={"generation": cfg.generation.model_copy(
                 update={"shards": shards, "runner": "dask", "dask_workers": args.workers})})
-            run = RunContext(store, ctx.run_id, sharded, ctx.budget_tokens)
+            run = RunContext(store, ctx.run_id, sharded, ctx.tokens_per_iteration)
             cluster_s = 0.0
             if shards > 1:
                 started = time.perf_counter()

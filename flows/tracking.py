@@ -216,8 +216,8 @@ class Tracker:
         if not spent:
             return {}
         total = sum(spent.values())
-        return {**spent, "tokens.total": total, "tokens.budget": float(self.ctx.budget),
-                "tokens.spend_share": total / self.ctx.budget}
+        budget = self.ctx.tokens_per_iteration
+        return {**spent, "tokens.total": total, "tokens.budget": float(budget), "tokens.spend_share": total / budget}
 
     def _critic_metrics(self, stages: Mapping[str, Manifest]) -> dict[str, float]:
         metrics: dict[str, float] = {}

@@ -30,7 +30,7 @@ from focus_core.config import FocusConfig, config_to_dict, load_config, validate
 from focus_core.lease import hold
 from tasks.acquire import acquire
 from tasks.advantage import advantage
-from tasks.bootstrap import bootstrap, budget_tokens
+from tasks.bootstrap import bootstrap, tokens_per_iteration
 from tasks.branch import branch
 from tasks.evaluate import evaluate
 from tasks.fit_critic import fit_critic
@@ -124,10 +124,10 @@ def _train(ctx: RunContext, info: dict | None) -> str:
         # Wall and CPU seconds add up over the processes that worked on the run (resumes, compare's bootstrap).
         wall_before, cpu_before = (float(info.get(key, 0.0)) if info else 0.0 for key in ("wall_s", "cpu_s"))
         reference = policy = bootstrap(ctx)
-        ctx = ctx.with_budget(budget_tokens(cfg, policy))
+        ctx = ctx.with_tokens_per_iteration(tokens_per_iteration(cfg, policy))
         tracker.ctx = ctx
         tracker.log_stage(0, "bootstrap", policy)
-        log.info("run %s: B_tok = %d generated tokens per iteration (%s)", run_id, ctx.budget,
+        log.info("run %s: B_tok = %d generated tokens per iteration (%s)", run_id, ctx.tokens_per_iteration,
                  "budget.tokens_per_iteration" if cfg.budget.tokens_per_iteration else
                  f"measured: {policy.figures['mean_episode_tokens']:.1f} per episode × P "
                  f"{cfg.budget.prompts_per_iteration} × G_grpo {cfg.budget.group_size_grpo}")

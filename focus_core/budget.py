@@ -31,10 +31,11 @@ class BudgetExceeded(RuntimeError):
 def matched_budget(
     prompts: int, mean_episode_tokens: float, group_size_grpo: int, group_size_main: int
 ) -> tuple[int, int]:
-    """Total and branch token budgets per iteration at a matched budget (method.md §9.2, T11).
+    """B_tok (``budget.tokens_per_iteration``) and the branch budget of an iteration at a matched budget
+    (method.md §9.2, T11).
 
-    total  = P · L̄ · G_grpo        (what GRPO spends on its rollouts)
-    branch = total − P · L̄ · G_main (what is left for continuations after the main rollouts)
+    B_tok  = P · L̄ · G_grpo        (what GRPO spends on its rollouts)
+    branch = B_tok − P · L̄ · G_main (what is left for continuations after the main rollouts)
 
     Example (T11): P=2, L̄=5000, G_grpo=8, G_main=4 -> (80000, 40000).
     """
@@ -50,9 +51,9 @@ def matched_budget(
             f"group_size_main ({group_size_main}) > group_size_grpo ({group_size_grpo}): the main rollouts "
             f"alone would exceed the matched budget; use group_size_main <= group_size_grpo"
         )
-    total = round(prompts * mean_episode_tokens * group_size_grpo)
+    tokens_per_iteration = round(prompts * mean_episode_tokens * group_size_grpo)
     main = round(prompts * mean_episode_tokens * group_size_main)
-    return total, total - main
+    return tokens_per_iteration, tokens_per_iteration - main
 
 
 def spend_margin(counts: np.ndarray, cost: np.ndarray, cost_cv: float, sds: float,
@@ -80,8 +81,8 @@ def spend_margin(counts: np.ndarray, cost: np.ndarray, cost_cv: float, sds: floa
 class BudgetLedger:
     """Counts generated tokens by kind and round against a fixed per-iteration budget."""
 
-    def __init__(self, budget_tokens: int):
-        self.budget = _as_token_count(budget_tokens)
+    def __init__(self, budget: int):
+        self.budget = _as_token_count(budget)
         # (round, kind) -> tokens; rounds let the ledger table show how branching spent the budget.
         self._charged: dict[tuple[int, str], int] = defaultdict(int)
         self._spent = 0

@@ -15,6 +15,7 @@ for a plain dict; both raise ``ConfigError`` listing every problem as ``field.pa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -32,6 +33,16 @@ StrategyName = Literal[
     "residual_knn", "beta_posterior", "novelty",
 ]
 
+# How a field enters the version of a stage that reads it (tasks/stage.py), when not as its plain value: a marker in
+# the field's ``json_schema_extra`` under STAGE_VERSION, read in one place (``version_values``).
+STAGE_VERSION = "stage_version"
+# Says how a stage runs, not what it computes (``ppo.processes``): in no version, so changing it reuses committed
+# stages.
+EXECUTION_ONLY = "execution_only"
+# A setting added after runs were committed: a stage that reads it by name has it in its version only while it is
+# set to something other than its default, so those runs keep their versions (a stage that reads its whole section
+# sees it as any other field).
+VERSIONED_WHEN_SET = "versioned_when_set"
 
 
 class ConfigError(ValueError):
@@ -266,8 +277,9 @@ class GenerationConfig(_Section):
     the serial one's tables); the backend is, when it is not hf (it draws other tokens)."""
 
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="hf (the checkpoint in process) or vllm (a server on it, infra/vllm/); the update always "
-        "trains the hf model")
+        "hf", json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="hf (the checkpoint in process) or vllm (a server on it, infra/vllm/); the update always trains "
+        "the hf model")
     vllm_threads: int = Field(2, ge=1, description="vllm backend: CPU threads of the server (ignored on a GPU)")
     shards: int = Field(1, ge=1, description="episode shards per generating stage (1: played in the stage itself)")
     runner: Literal["threads", "dask"] = Field(
@@ -305,11 +317,12 @@ class PPOConfig(_Section):
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO value clipping around the sampling-time "
                                      "values (ppo_gae); null = none")
     processes: int = Field(
-        1, ge=1, json_schema_extra={"execution_only": True},
+        1, ge=1, json_schema_extra={STAGE_VERSION: EXECUTION_ONLY},
         description="processes of the data-parallel update (torchrun + accelerate: gloo on CPUs, NCCL on GPUs); "
         "the same steps as one process, up to float summation order")
     train_on_continuations: bool = Field(
-        False, description="also train on the continuations' own tokens, each segment with its TD(λ) advantage "
+        False, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="also train on the continuations' own tokens, each segment with its TD(λ) advantage "
         "(branching methods only; the method table's preset: on for focus, off for vineppo as in its paper)"
     )
 
@@ -346,7 +359,8 @@ class FocusConfig(_Section):
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    lora: LoRAConfig | None = Field(None, description="null: the update trains every weight")
+    lora: LoRAConfig | None = Field(None, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+                                    description="null: the update trains every weight")
 
     @model_validator(mode="before")
     @classmethod
@@ -442,17 +456,54 @@ class FocusConfig(_Section):
         return self.budget.group_size_main if self.uses_branches else self.budget.group_size_grpo
 
 
-def execution_only_fields() -> frozenset[str]:
-    """Dotted names of the fields that say how a stage runs, not what it computes (``ppo.processes``): left out
-    of stage versions, so changing them reuses committed stages."""
-    found = set()
+def version_values(cfg: FocusConfig, names: Iterable[str]) -> dict[str, Any]:
+    """The resolved values of the config fields and sections ``names`` (``"ppo"``, ``"env.name"``) as a stage's
+    version takes them: without the EXECUTION_ONLY fields, and without a VERSIONED_WHEN_SET field named while it
+    has its default. A name inside a section that is null (``critic.members`` for GRPO) has the value None."""
+    resolved, markers, picked = config_to_dict(cfg), version_markers(), {}
+    for path, marker in markers.items():
+        section, _, name = path.rpartition(".")
+        holder = resolved.get(section) if section else resolved
+        if marker == EXECUTION_ONLY and isinstance(holder, dict):
+            holder.pop(name, None)
+    for name in names:
+        value: Any = resolved
+        for key in name.split("."):
+            value = value[key] if isinstance(value, dict) else None
+        if markers.get(name) == VERSIONED_WHEN_SET and value == _default_at(name):
+            continue
+        if markers.get(name) != EXECUTION_ONLY:
+            picked[name] = value
+    return picked
+
+
+def version_markers() -> dict[str, str]:
+    """Dotted name -> STAGE_VERSION marker of every marked field (``{"ppo.processes": EXECUTION_ONLY, ...}``)."""
+    found = {}
     for section, info in FocusConfig.model_fields.items():
-        model = info.annotation
-        for candidate in getattr(model, "__args__", (model,)):
-            for name, field_info in getattr(candidate, "model_fields", {}).items():
-                if (field_info.json_schema_extra or {}).get("execution_only"):
-                    found.add(f"{section}.{name}")
-    return frozenset(found)
+        for name, field_info in [(section, info), *((f"{section}.{n}", f) for n, f in _fields_of(info.annotation))]:
+            marker = (field_info.json_schema_extra or {}).get(STAGE_VERSION)
+            if marker is not None:
+                found[name] = marker
+    return found
+
+
+def execution_only_fields() -> frozenset[str]:
+    """Dotted names of the EXECUTION_ONLY fields (``ppo.processes``)."""
+    return frozenset(name for name, marker in version_markers().items() if marker == EXECUTION_ONLY)
+
+
+def _fields_of(annotation: Any) -> list[tuple[str, Any]]:
+    model = _section_model(annotation)
+    return list(model.model_fields.items()) if model is not None else []
+
+
+def _default_at(path: str) -> Any:
+    """The declared default of the field at dotted ``path``, as plain data (the method presets aside)."""
+    *sections, name = path.split(".")
+    info = _model_at(tuple(sections)).model_fields[name]
+    default = info.get_default(call_default_factory=True)
+    return default.model_dump(mode="json") if isinstance(default, BaseModel) else default
 
 
 # --- loading, overrides and error reporting ----------------------------------------------------------

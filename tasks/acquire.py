@@ -31,8 +31,10 @@ from focus_core.budget import spend_margin
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import schema_for
 from tasks.fit_critic import branch_observations
-from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens
-from tasks.stage import RunContext, StageResult, run_stage, stage_task
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, read, spent_tokens, state_keys
+from tasks.stage import TOKENS_PER_ITERATION, RunContext, StageResult, run_stage, stage_task
+
+READS = ("seed", "method", "budget", "acquisition", "advantage.gamma", "advantage.lam", TOKENS_PER_ITERATION)
 
 
 def stage_name(round_idx: int) -> str:
@@ -146,7 +148,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     already = (np.bincount(row_state, weights=counted, minlength=states.num_rows)
                + np.array([len(earlier.get(s, ())) for s in states.column("state_id").to_pylist()]))
     rounds_left = cfg.acquisition.rounds - round_idx
-    budget = max(0, ctx.budget - spent_tokens(ctx, charged)) / rounds_left
+    budget = max(0, ctx.tokens_per_iteration - spent_tokens(ctx, charged)) / rounds_left
     features = np.array(states.column("features").to_pylist(), dtype=np.float32)
     acquisition = cfg.acquisition
     if critic is not None and not critic.skipped:
@@ -203,10 +205,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         reasons = [f"{r} (no critic yet)" for r in reasons]
     n = states.num_rows
     table = pa.table({
-        "run_id": states.column("run_id"), "iteration": states.column("iteration"),
-        "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
-        "state_id": states.column("state_id"), "policy_version": states.column("policy_version"),
-        "round": pa.array([round_idx] * n, pa.int32()),
+        **state_keys(states), "round": pa.array([round_idx] * n, pa.int32()),
         "critic_mean": floats_or_nulls(None if members is None else candidates.mean, n),
         "critic_std": floats_or_nulls(None if members is None else np.sqrt(candidates.variance), n),
         "cost_estimate": pa.array(candidates.cost, pa.float64()),
@@ -227,9 +226,6 @@ def acquire(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     upstream = {"segment": segment, "rollout": rollout, **{f"charged_{k}": m for k, m in enumerate(charged)}}
     if critic is not None:
         upstream["critic"] = critic
-    return run_stage(ctx, iteration, stage_name(round_idx),
-                     depends_on={**ctx.fields("seed", "method", "budget", "acquisition", "advantage.gamma",
-                                              "advantage.lam"), "budget_tokens": ctx.budget},
-                     upstream=upstream,
+    return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields(*READS), upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, segment, rollout, critic, charged,
                                                      scratch))

@@ -34,13 +34,13 @@ from focus_core.rollouts import states_table, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
 from tasks.fit_critic import out_of_fold_values
-from tasks.inputs import CRITIC_FOLDER, load_value_head, policy_at, read
+from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, load_value_head, policy_at, read, state_keys
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
+READS = ("method", "advantage", "ppo.train_on_continuations")
 # The states columns the batch and the advantages table read (main and continuation states alike).
-COLUMNS = ("run_id", "iteration", "episode_id", "segment_idx", "state_id", "policy_version", "segment_reward",
-           "segment_generated_tokens")
+COLUMNS = (*STATE_KEYS, "segment_reward", "segment_generated_tokens")
 
 
 def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout: Manifest, policy: Manifest,
@@ -88,10 +88,7 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     masked = np.repeat(cut, lengths)
     advantage = np.where(masked, 0.0, result.advantage)
     delta = batch["rewards"] + cfg.advantage.gamma * result.next_value - result.value
-    n = states.num_rows
-    keys = {"run_id": states.column("run_id"), "iteration": states.column("iteration"),
-            "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
-            "state_id": states.column("state_id"), "policy_version": states.column("policy_version")}
+    n, keys = states.num_rows, state_keys(states)
     tables = {"advantages": pa.table({
         **keys, "reward": pa.array(batch["rewards"], pa.float64()), "value": pa.array(result.value, pa.float64()),
         "next_value": pa.array(result.next_value, pa.float64()), "delta": pa.array(delta, pa.float64()),
@@ -168,6 +165,5 @@ def advantage(ctx: RunContext, iteration: int, segment: Manifest, values: Manife
     upstream = {"segment": segment, "rollout": rollout, "policy": policy,
                 **({"values": values} if values is not None else {}),
                 **({f"branch_{k}": m for k, m in enumerate(branches)} if on else {})}
-    depends = ctx.fields("method", "advantage") | (ctx.fields("ppo.train_on_continuations") if on else {})
-    return run_stage(ctx, iteration, STAGE, depends_on=depends, upstream=upstream,
+    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS), upstream=upstream,
                      compute=lambda scratch: compute(ctx, segment, values, rollout, policy, scratch, branches))

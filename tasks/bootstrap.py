@@ -7,7 +7,8 @@ policy that sometimes succeeds. Any other source (``smollm2`` or a Hugging Face 
 is. Either way the stage commits the checkpoint folder ``policy`` at version 0.
 
 Then it measures the budget: the policy plays ``budget.measure_episodes`` training episodes and the
-manifest records their mean generated tokens. B_tok = that mean × P × G_grpo (``budget_tokens``).
+manifest records their mean generated tokens. B_tok = that mean × P × G_grpo (figure ``budget_tokens``), unless
+``budget.tokens_per_iteration`` gives it (``tokens_per_iteration``).
 
 ``bootstrap.init_from`` (``focus train --init RUN_ID``) copies another run's committed bootstrap
 instead — its checkpoint byte for byte and its measured figures — so methods compared side by side
@@ -33,17 +34,20 @@ from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "bootstrap"
+# What a bootstrap trained here reads; a copy (bootstrap.init_from) is versioned by its source instead.
+READS = ("seed", "env.name", "env.tier", "env.options", "model", "bootstrap", "agent", "budget.measure_episodes",
+         "budget.prompts_per_iteration", "budget.group_size_grpo")
 SHARED_SECTIONS = ("env.name", "env.tier", "env.options", "model")  # an --init source must match these
 
 
-def budget_tokens(cfg: FocusConfig, bootstrap: Manifest) -> int:
-    """B_tok of this run: the explicit budget, else the bootstrap's measured mean × P × G_grpo."""
+def tokens_per_iteration(cfg: FocusConfig, bootstrap: Manifest) -> int:
+    """B_tok of this run: ``budget.tokens_per_iteration`` if given, else the bootstrap's measured mean × P × G_grpo."""
     if cfg.budget.tokens_per_iteration is not None:
         return cfg.budget.tokens_per_iteration
-    return measured_budget(cfg, float(bootstrap.figures["mean_episode_tokens"]))
+    return measured_tokens_per_iteration(cfg, float(bootstrap.figures["mean_episode_tokens"]))
 
 
-def measured_budget(cfg: FocusConfig, mean_episode_tokens: float) -> int:
+def measured_tokens_per_iteration(cfg: FocusConfig, mean_episode_tokens: float) -> int:
     """B_tok from a measured mean: mean generated tokens per episode × P × G_grpo."""
     return max(1, round(mean_episode_tokens * cfg.budget.prompts_per_iteration * cfg.budget.group_size_grpo))
 
@@ -108,7 +112,8 @@ def compute(ctx: RunContext, scratch: Path) -> StageResult:
         policy = load_policy(cfg.model.source)
         figures = {"parameters": sum(p.numel() for p in policy.model.parameters())}
     figures |= measure_episode_tokens(ctx, policy)
-    figures["budget_tokens"] = measured_budget(cfg, figures["mean_episode_tokens"])
+    # Named before B_tok's name was settled: runs and comparisons read the figure under this name.
+    figures["budget_tokens"] = measured_tokens_per_iteration(cfg, figures["mean_episode_tokens"])
     policy.version = 0
     policy.save(scratch / POLICY_FOLDER)
     return StageResult(folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures, policy_version=0,
@@ -123,6 +128,5 @@ def bootstrap(ctx: RunContext) -> Manifest:
         source = source_store.manifest(source_run, 0, STAGE)
         depends_on = {"init_from": cfg.bootstrap.init_from, "source_hash": source.hash if source else None}
     else:
-        depends_on = ctx.fields("seed", "env.name", "env.tier", "env.options", "model", "bootstrap", "agent",
-                                "budget.measure_episodes", "budget.prompts_per_iteration", "budget.group_size_grpo")
+        depends_on = ctx.fields(*READS)
     return run_stage(ctx, 0, STAGE, depends_on=depends_on, upstream={}, compute=lambda scratch: compute(ctx, scratch))

@@ -23,9 +23,11 @@ from focus_core.ids import branch_id, content_id, episode_id
 from focus_core.rollouts import episode_tables, segment_starts
 from focus_core.schemas import schema_for
 from tasks.fanout import play
-from tasks.inputs import env_factory, generation_fields, generator_at, read, spent_tokens, tasks
+from tasks.inputs import env_factory, generator_at, read, spent_tokens, tasks
 from tasks.progress import GenerationBar
-from tasks.stage import RunContext, StageResult, run_stage, stage_task
+from tasks.stage import TOKENS_PER_ITERATION, RunContext, StageResult, run_stage, stage_task
+
+READS = ("seed", "budget", "agent", "env.name", "env.tier", "env.options", "generation.backend", TOKENS_PER_ITERATION)
 
 
 def stage_name(round_idx: int) -> str:
@@ -47,7 +49,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     by_id = {t.task_id: t for split in ("train", "heldout") for t in tasks(ctx, split)} if chosen else {}
     starts = segment_starts(state_ids, rollouts=read(ctx, rollout, "rollouts"), episodes=read(ctx, rollout, "episodes"),
                             tasks_by_id=by_id, system_prompt=env_factory(ctx)().system_prompt()) if chosen else []
-    ledger = BudgetLedger(max(0, ctx.budget - spent_tokens(ctx, charged)))
+    ledger = BudgetLedger(max(0, ctx.tokens_per_iteration - spent_tokens(ctx, charged)))
     seed = ctx.seed(iteration, stage_name(round_idx))
     timings: dict[str, float] = {}
     with GenerationBar(f"it {iteration} branches r{round_idx}", len(starts), unit="branch") as bar:
@@ -77,7 +79,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manife
     }, schema=schema_for("branches"))
     rows = ledger.rows(run_id=ctx.run_id, iteration=iteration, policy_version=policy.version)
     for row in rows:
-        row["budget"] = ctx.budget  # the iteration's budget, not what was left of it
+        row["budget"] = ctx.tokens_per_iteration  # the iteration's budget, not what was left of it
     planned = float(np.dot(counts, plan.column("cost_estimate").to_numpy()))
     figures = {"continuations": n, "states": len(chosen), "tokens": ledger.spent, "planned_tokens": round(planned),
                "mean_return": float(np.mean([e.reward for e in episodes])) if episodes else 0.0,
@@ -93,9 +95,6 @@ def branch(ctx: RunContext, iteration: int, round_idx: int, acquisition: Manifes
            policy: Manifest, charged: Sequence[Manifest]) -> Manifest:
     upstream = {"acquisition": acquisition, "rollout": rollout, "policy": policy,
                 **{f"charged_{k}": m for k, m in enumerate(charged)}}
-    return run_stage(ctx, iteration, stage_name(round_idx),
-                     depends_on={**ctx.fields("seed", "budget", "agent", "env.name", "env.tier", "env.options"),
-                                 **generation_fields(ctx), "budget_tokens": ctx.budget},
-                     upstream=upstream,
+    return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields(*READS), upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, acquisition, rollout, policy,
                                                      charged, scratch))

@@ -25,11 +25,12 @@ from focus_core.envs.trap_tools import exact_evaluation
 from focus_core.ids import episode_id
 from focus_core.schemas import schema_for
 from tasks.fanout import play
-from tasks.inputs import env_factory, generation_fields, generator_at, tasks
+from tasks.inputs import env_factory, generator_at, tasks
 from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "evaluate"
+READS = ("seed", "agent", "env", "generation.backend")
 log = logging.getLogger("focus")
 
 
@@ -81,7 +82,5 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
 
 @stage_task("evaluate")
 def evaluate(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
-    return run_stage(ctx, iteration, STAGE,
-                     depends_on={**ctx.fields("seed", "agent", "env"), **generation_fields(ctx)},
-                     upstream={"policy": policy},
+    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS), upstream={"policy": policy},
                      compute=lambda scratch: compute(ctx, iteration, policy, scratch))

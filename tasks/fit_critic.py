@@ -39,10 +39,12 @@ from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import FLOATS, schema_for
-from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read, state_keys
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
+
+READS = ("seed", "method", "critic")
 
 
 def stage_name(round_idx: int) -> str:
@@ -197,9 +199,7 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         figures |= acquisition_check(ctx, iteration, round_idx, branches)
     rows = states.num_rows
     tables["values"] = pa.table({
-        "run_id": states.column("run_id"), "iteration": states.column("iteration"),
-        "episode_id": states.column("episode_id"), "segment_idx": states.column("segment_idx"),
-        "state_id": states.column("state_id"), "policy_version": states.column("policy_version"),
+        **state_keys(states),
         "critic_mean": floats_or_nulls(critic_mean, rows), "critic_var": floats_or_nulls(critic_var, rows),
         "mc_mean": pa.array([None if k == 0 else float(m) for k, m in zip(n, mc_mean, strict=True)], pa.float64()),
         "n": pa.array(n.astype(np.int32), pa.int32()), "value": pa.array(value, pa.float64()),
@@ -257,7 +257,7 @@ def fit_critic(ctx: RunContext, iteration: int, round_idx: int, segment: Manifes
                branches: Sequence[Manifest], replay: Sequence[Manifest] = ()) -> Manifest:
     upstream = {"segment": segment, "rollout": rollout, **{f"branch_{k}": m for k, m in enumerate(branches)},
                 **{f"replay_{k}": m for k, m in enumerate(replay)}}
-    return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields("seed", "method", "critic"),
+    return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields(*READS),
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, segment, rollout, branches, replay,
                                                      scratch))

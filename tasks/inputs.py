@@ -80,12 +80,6 @@ def generator_at(ctx: RunContext, policy: Manifest) -> Policy:
 _SERVED: dict[str, Any] = {}  # this process's vLLM policy and the checkpoint folder it serves, once started
 
 
-def generation_fields(ctx: RunContext) -> dict[str, Any]:
-    """What a generating stage's version depends on besides its own fields: the backend draws other tokens. Absent
-    for hf, so the runs made before the setting existed keep their stage versions."""
-    return {} if ctx.config.generation.backend == "hf" else {"generation.backend": ctx.config.generation.backend}
-
-
 def read(ctx: RunContext, manifest: Manifest, table: str):
     """A committed table of an upstream stage (only the parts its manifest lists, hash-checked)."""
     return ctx.store.read_table(ctx.run_id, manifest.iteration, manifest.stage, table)
@@ -95,6 +89,16 @@ def spent_tokens(ctx: RunContext, manifests: Sequence[Manifest]) -> int:
     """Generated tokens already charged this iteration, from the budget_ledger tables of ``manifests``."""
     return sum(int(pc.sum(read(ctx, m, "budget_ledger").column("tokens")).as_py() or 0)
                for m in manifests if not m.skipped)
+
+
+# The columns that identify a segment start state in every table keyed by one (advantages, acquisition, values):
+# copied from the states table, so each such table joins it, and the others, on them.
+STATE_KEYS = ("run_id", "iteration", "episode_id", "segment_idx", "state_id", "policy_version")
+
+
+def state_keys(states: pa.Table) -> dict[str, pa.ChunkedArray]:
+    """The STATE_KEYS columns of ``states``, the first columns of a table with one row per state."""
+    return {name: states.column(name) for name in STATE_KEYS}
 
 
 def floats_or_nulls(values, n: int) -> pa.Array:

@@ -1,6 +1,6 @@
 """Stage 1 — rollout: the policy plays the iteration's main episodes, groups of G per training task.
 
-How a method fills the iteration's budget B_tok (``ctx.budget``, measured at bootstrap):
+How a method fills the iteration's budget B_tok (``ctx.tokens_per_iteration``, measured at bootstrap):
 
 * a branching method (FOCUS, VinePPO) plays P·G_main main episodes, P tasks × G_main; the rest of B_tok
   goes to continuations in the branch stages;
@@ -33,11 +33,13 @@ from focus_core.ids import content_id, episode_id
 from focus_core.rollouts import episode_tables
 from focus_core.schemas import schema_for
 from tasks.fanout import play
-from tasks.inputs import generation_fields, generator_at, tasks
+from tasks.inputs import generator_at, tasks
 from tasks.progress import GenerationBar
-from tasks.stage import RunContext, StageResult, run_stage, stage_task
+from tasks.stage import TOKENS_PER_ITERATION, RunContext, StageResult, run_stage, stage_task
 
 STAGE = "rollout"
+READS = ("seed", "method", "budget", "agent", "env.name", "env.tier", "env.options", "generation.backend",
+         TOKENS_PER_ITERATION)
 log = logging.getLogger("focus")
 
 
@@ -48,7 +50,7 @@ def compute(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch:
     train = tasks(ctx, "train")
     order = [train[i] for i in np.random.default_rng(seed).permutation(len(train))]
     group = cfg.main_group_size
-    ledger = BudgetLedger(ctx.budget)
+    ledger = BudgetLedger(ctx.tokens_per_iteration)
     batch, episodes, group_costs, timings = [], [], [], {}
     with GenerationBar(f"it {iteration} rollouts") as bar:
         for wave, chosen in enumerate(_waves(cfg, order, ledger, group_costs)):
@@ -105,8 +107,5 @@ def _waves(cfg: FocusConfig, order: list[Task], ledger: BudgetLedger, group_cost
 
 @stage_task("rollout")
 def rollout(ctx: RunContext, iteration: int, policy: Manifest) -> Manifest:
-    return run_stage(ctx, iteration, STAGE,
-                     depends_on={**ctx.fields("seed", "method", "budget", "agent", "env.name", "env.tier",
-                                                 "env.options"), **generation_fields(ctx),
-                                 "budget_tokens": ctx.budget},
-                     upstream={"policy": policy}, compute=lambda scratch: compute(ctx, iteration, policy, scratch))
+    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS), upstream={"policy": policy},
+                     compute=lambda scratch: compute(ctx, iteration, policy, scratch))

@@ -21,6 +21,7 @@ from tasks.inputs import policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "segment"
+READS = ()  # what it computes follows from its upstream stages alone
 
 
 def compute(ctx: RunContext, rollout: Manifest, policy_manifest: Manifest, scratch: Path) -> StageResult:
@@ -39,5 +40,6 @@ def compute(ctx: RunContext, rollout: Manifest, policy_manifest: Manifest, scrat
 
 @stage_task("segment")
 def segment(ctx: RunContext, iteration: int, rollout: Manifest, policy: Manifest) -> Manifest:
-    return run_stage(ctx, iteration, STAGE, depends_on={}, upstream={"rollout": rollout, "policy": policy},
+    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS),
+                     upstream={"rollout": rollout, "policy": policy},
                      compute=lambda scratch: compute(ctx, rollout, policy, scratch))

@@ -3,8 +3,9 @@
 A stage is a pure step from input artifacts to output artifacts. ``run_stage`` wraps its compute
 function so that every stage behaves the same way:
 
-1. Its *version* is a hash of the stage name, the config fields it depends on, the manifest hashes
-   of its upstream stages and the schema version (``focus_core.artifacts.stage_version``).
+1. Its *version* is a hash of the stage name, the config fields it reads (``depends_on``: each stage module
+   declares them once, in ``READS``, and ``RunContext.fields(*READS)`` resolves them), the manifest hashes of its
+   upstream stages and the schema version (``focus_core.artifacts.stage_version``).
 2. If the store already holds a manifest with that version, the stage is done: it is skipped and
    its manifest returned. This — not Prefect's result cache — is what makes ``focus resume`` work,
    and a changed config invalidates exactly the stages that read the changed fields.
@@ -38,7 +39,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from focus_core.artifacts import ArtifactStore, Manifest, StoreUnavailable, stage_version
-from focus_core.config import FocusConfig, config_to_dict, execution_only_fields
+from focus_core.config import FocusConfig, version_values
 from focus_core.ids import derive_seed
 
 log = logging.getLogger("focus")
@@ -55,43 +56,40 @@ RETRY_DELAYS_S = [5, 20, 60]
 KILL_AT_ENV = "FOCUS_KILL_AT"
 
 
+# B_tok as a stage reads it: a stage that spends the iteration's budget lists this name in its READS, and its version
+# then covers ``RunContext.tokens_per_iteration``. The key is the name B_tok had in the versions of the first
+# committed runs; another name would recompute them.
+TOKENS_PER_ITERATION = "budget_tokens"
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What every stage of one run knows: where artifacts live, which run, the resolved config, and
-    B_tok once the bootstrap has measured it (``flows/train.py`` sets it with ``with_budget``)."""
+    B_tok (``budget.tokens_per_iteration``: generated tokens per iteration, the same for every method started from
+    one bootstrap) once the bootstrap has measured it (``flows/train.py`` sets it with
+    ``with_tokens_per_iteration``)."""
 
     store: ArtifactStore
     run_id: str
     config: FocusConfig
-    budget_tokens: int | None = None
+    tokens_per_iteration: int | None = None
 
-    def with_budget(self, tokens: int) -> RunContext:
+    def with_tokens_per_iteration(self, tokens: int) -> RunContext:
         return RunContext(self.store, self.run_id, self.config, tokens)
-
-    @property
-    def budget(self) -> int:
-        """B_tok: generated tokens per iteration, the same for every method started from one bootstrap."""
-        if self.budget_tokens is None:
-            raise RuntimeError("B_tok is set after the bootstrap stage; call ctx.with_budget(...) first")
-        return self.budget_tokens
 
     def seed(self, iteration: int, stage: str, *keys: Any) -> int:
         """A seed derived from (run seed, iteration, stage, keys): a resumed stage draws the same numbers."""
         return derive_seed(self.config.seed, iteration, stage, *keys)
 
     def fields(self, *names: str) -> dict[str, Any]:
-        """The config values a stage depends on (``"ppo"``, ``"env.name"``...), for its version hash; fields that
-        only say how it runs (``execution_only_fields``, e.g. ``ppo.processes``) are left out."""
-        resolved, picked = config_to_dict(self.config), {}
-        for path in execution_only_fields():
-            section, name = path.split(".")
-            if isinstance(resolved.get(section), dict):
-                resolved[section].pop(name, None)
-        for name in names:
-            value: Any = resolved
-            for key in name.split("."):
-                value = value[key] if isinstance(value, dict) else None
-            picked[name] = value
+        """What the version of a stage that reads ``names`` covers (``depends_on``): the config fields and sections
+        among them as ``focus_core.config.version_values`` gives them, and B_tok if TOKENS_PER_ITERATION is one."""
+        picked = version_values(self.config, [name for name in names if name != TOKENS_PER_ITERATION])
+        if TOKENS_PER_ITERATION in names:
+            if self.tokens_per_iteration is None:
+                raise RuntimeError("B_tok is set after the bootstrap stage; call ctx.with_tokens_per_iteration(...) "
+                                   "first")
+            picked[TOKENS_PER_ITERATION] = self.tokens_per_iteration
         return picked
 
 

@@ -48,6 +48,7 @@ from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "update"
+READS = ("seed", "ppo", "advantage.whiten", "agent.temperature", "lora")
 
 
 def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy_manifest: Manifest,
@@ -137,10 +138,6 @@ def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manif
            reference: Manifest, branches: Sequence[Manifest] = ()) -> Manifest:
     upstream = {"rollout": rollout, "advantages": advantages, "policy": policy, "reference": reference,
                 **({f"branch_{k}": m for k, m in enumerate(branches)} if ctx.config.ppo.train_on_continuations else {})}
-    return run_stage(ctx, iteration, STAGE,
-                     depends_on={**ctx.fields("seed", "ppo", "advantage.whiten", "agent.temperature"),
-                                 # absent without LoRA, so the runs made before the setting keep their versions
-                                 **({"lora": ctx.fields("lora")["lora"]} if ctx.config.lora else {})},
-                     upstream=upstream,
+    return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS), upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch,
                                                      branches))

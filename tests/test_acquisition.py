@@ -382,7 +382,7 @@ def test_fit_critic_reports_the_critic_error_before_and_its_rank_correlation_wit
     grown = store.commit(run, 0, "branch_r1", version="v", tables={
         "branches": pa.Table.from_pylist(branches, schema=schema_for("branches")),
         "episodes": pa.Table.from_pylist(episodes, schema=schema_for("episodes"))})
-    ctx = RunContext(store, run, load_config(None, []), budget_tokens=1000)
+    ctx = RunContext(store, run, load_config(None, []), tokens_per_iteration=1000)
     figures = acquisition_check(ctx, 0, 1, [grown])
     assert figures["critic_error_before"] == pytest.approx(0.3)
     assert figures["critic_error_before_states"] == 3

@@ -71,16 +71,16 @@ def test_the_budget_is_measured_unless_given():
     assert BudgetConfig(tokens_per_iteration=10_000).tokens_per_iteration == 10_000
 
 
-def test_budget_tokens_is_the_measured_mean_times_p_times_g_grpo():
+def test_tokens_per_iteration_is_the_measured_mean_times_p_times_g_grpo():
     """T11 with a measured L̄: P = 2, L̄ = 5,000, G_grpo = 8 -> B_tok = 80,000, unless given explicitly."""
     from focus_core.artifacts import Manifest
-    from tasks.bootstrap import budget_tokens
+    from tasks.bootstrap import tokens_per_iteration
 
     bootstrap = Manifest(run_id="r", iteration=0, stage="bootstrap", version="v",
                          figures={"mean_episode_tokens": 5000.0})
     cfg = load_config(None, ["budget.prompts_per_iteration=2"])
-    assert budget_tokens(cfg, bootstrap) == 80_000
-    assert budget_tokens(load_config(None, ["budget.tokens_per_iteration=1234"]), bootstrap) == 1234
+    assert tokens_per_iteration(cfg, bootstrap) == 80_000
+    assert tokens_per_iteration(load_config(None, ["budget.tokens_per_iteration=1234"]), bootstrap) == 1234
 
 
 # --- YAML and overrides -------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def _values(tmp_path, method: str, rewards: np.ndarray, run: str) -> dict[tuple[
     rollout, segment = _commit_iteration(store, run, rewards)
     overrides = [f"method={method}"] + (["critic.steps=50", "critic.hidden=8", "critic.folds=3"]
                                         if method == "focus" else [])
-    ctx = RunContext(store, run, load_config(None, overrides), budget_tokens=1000)
+    ctx = RunContext(store, run, load_config(None, overrides), tokens_per_iteration=1000)
     result = fit_critic.compute(ctx, 0, 0, segment, rollout, [], [], tmp_path)
     table = result.tables["values"]
     return {(e, k): v for e, k, v in zip(*(table.column(c).to_pylist() for c in ("episode_id", "segment_idx", "value")),
@@ -100,7 +100,7 @@ def test_fold_critics_value_a_tasks_new_states_without_its_returns(tmp_path):
         store = ArtifactStore(tmp_path / name)
         rollout, segment = _commit_iteration(store, name, r)
         ctx = RunContext(store, name, load_config(None, ["critic.steps=50", "critic.hidden=8", "critic.folds=3"]),
-                         budget_tokens=1000)
+                         tokens_per_iteration=1000)
         result = fit_critic.compute(ctx, 0, 0, segment, rollout, [], [], tmp_path / f"scratch-{name}")
         values = store.commit(name, 0, "fit_critic_r0", version="v", tables=result.tables, folders=result.folders,
                               policy_version=0)

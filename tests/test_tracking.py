@@ -41,7 +41,7 @@ def tracked(tmp_path_factory: pytest.TempPathFactory):
                              layers=1, hidden=32, heads=2, intermediate=64)
         policy.save(folder / "policy")
         manifests = build_run(store, folder / "policy")
-        ctx = RunContext(store, RUN, load_config(None, ["iterations=2"]), budget_tokens=600)
+        ctx = RunContext(store, RUN, load_config(None, ["iterations=2"]), tokens_per_iteration=600)
 
         tracker = Tracker(ctx)
         tracker.log_stage(0, "bootstrap", manifests[0]["bootstrap"])
@@ -131,7 +131,7 @@ def test_missing_tables_and_mlflow_errors_do_not_stop_training(
     skipped = {name: store.commit("grpo-run", 0, name, version="v", skipped="grpo has no critic")
                for name in ("acquire_r0", "branch_r0", "fit_critic_r0")}
     update = store.commit("grpo-run", 0, "update", version="v", folders={"policy": fake_checkpoint(tmp_path / "p")})
-    tracker = Tracker(RunContext(store, "grpo-run", load_config(None, ["method=grpo"]), budget_tokens=600))
+    tracker = Tracker(RunContext(store, "grpo-run", load_config(None, ["method=grpo"]), tokens_per_iteration=600))
     with caplog.at_level(logging.WARNING):
         tracker.log_iteration(0, {"rollout": rollout, **skipped, "update": update})
     assert [r.getMessage() for r in caplog.records if r.name.split(".")[0] in ("focus", "mlflow")] == []
@@ -159,7 +159,7 @@ def test_default_store_is_sqlite_in_the_working_directory(
     monkeypatch.delenv("FOCUS_MLFLOW_EXPERIMENT", raising=False)
     monkeypatch.chdir(tmp_path)
     store = ArtifactStore(tmp_path / "runs")
-    tracker = Tracker(RunContext(store, "first-run", load_config(None, []), budget_tokens=600))
+    tracker = Tracker(RunContext(store, "first-run", load_config(None, []), tokens_per_iteration=600))
     tracker.finish(None, "FAILED")
     assert (tmp_path / "mlruns.db").is_file()
     run = tracker.client.get_run(tracker.mlflow_run_id)
@@ -171,7 +171,7 @@ def test_default_store_is_sqlite_in_the_working_directory(
 def test_resumed_finished_run_does_not_register_the_policy_again(tracked, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", tracked.uri)
     monkeypatch.setenv("FOCUS_MLFLOW_EXPERIMENT", "focus-tests")
-    again = Tracker(RunContext(tracked.store, RUN, load_config(None, ["iterations=2"]), budget_tokens=600))
+    again = Tracker(RunContext(tracked.store, RUN, load_config(None, ["iterations=2"]), tokens_per_iteration=600))
     again.finish(tracked.store.manifest(RUN, 1, "update"), "FINISHED")
     assert again.mlflow_run_id == tracked.first and again.registered_model == (MODEL_NAME, 1)
     assert [int(v.version) for v in tracked.client.search_model_versions(f"name='{MODEL_NAME}'")] == [1]
