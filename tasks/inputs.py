@@ -60,13 +60,13 @@ def generator_at(ctx: RunContext, policy: Manifest) -> Policy:
     (``VLLMPolicy.load_weights``: reload, then a prefix-cache reset), stopped at exit."""
     if ctx.config.generation.backend == "hf":
         return policy_at(ctx, policy)
-    from focus_core.policy.vllm import VLLMPolicy, model_view
+    from focus_core.policy.vllm import VLLMPolicy
 
     folder = Path(ctx.store.fetch_folder(ctx.run_id, policy.iteration, policy.stage, POLICY_FOLDER)).resolve()
     served = _SERVED.get("policy")
     if served is None:
         positions = json.loads((folder / "config.json").read_text()).get("max_position_embeddings", 2048)
-        served = VLLMPolicy.launch(model_view(folder), threads=ctx.config.generation.vllm_threads,
+        served = VLLMPolicy.launch(folder, threads=ctx.config.generation.vllm_threads,
                                    max_model_len=positions)
         served.version = policy.policy_version or 0
         atexit.register(served.close)
