@@ -125,7 +125,7 @@ class AcquisitionConfig(_Section):
     """Where the branch budget goes: the selective-branching strategy (method.md §7, §9.4, §9.5)."""
 
     # FOCUS's rule, from its row of the method table (the one place it is named); chosen by critic-agent and
-    # critic-budget (README, "Acquisition strategies: the ablation").
+    # critic-budget (docs/benchmarks.md, "Acquisition strategies: the ablation").
     strategy: StrategyName = METHOD_TABLE["focus"].branching
     eps_uniform: float = Field(0.2, ge=0.0, le=1.0, description="share of the branch budget spent uniformly")
     chunk_size: int = Field(2, ge=1, description="k_chunk: continuations per greedy pick")

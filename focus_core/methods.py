@@ -36,7 +36,7 @@ class Method:
     estimator: str
     values: ValueSource
     branching: str | None  # acquisition strategy; None: no continuations
-    summary: str  # one line for the README's method table
+    summary: str  # one line for the method table of docs/pipeline.md
     strategy_fixed: bool = False  # the strategy is the method (VinePPO), not a knob
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     requires: dict[str, Any] = field(default_factory=dict)  # "section.field" -> value the method needs
@@ -119,7 +119,7 @@ def method_defaults(name: str) -> dict[str, dict[str, Any] | None]:
 
 
 def method_table_markdown() -> str:
-    """The README's method table, generated from the registry (tests check the README holds it)."""
+    """The method table of docs/pipeline.md, generated from the registry (a test checks the page holds it)."""
     lines = ["| method | advantage estimator | V(s) from | continuations | what it is |", "|---|---|---|---|---|"]
     for m in METHOD_TABLE.values():
         branching = "—" if m.branching is None else f"`{m.branching}`" + ("" if m.strategy_fixed else " (default)")

@@ -23,6 +23,7 @@ checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from focus_core.rollouts import token_advantages
 from focus_core.schemas import schema_for
 from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
+from tasks.update_dp import train_in_processes, worker
 
 STAGE = "update"
 READS = ("seed", "ppo", "advantage.whiten", "agent.temperature", "lora")
@@ -68,8 +70,6 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         token_adv = np.split(flat, np.cumsum([len(a) for a in token_adv])[:-1])
     seed = ctx.seed(iteration, STAGE)
     if cfg.ppo.processes > 1:  # the same update, split over processes (tasks/update_dp.py)
-        from tasks.update_dp import train_in_processes
-
         report = train_in_processes(ctx, policy_manifest, reference, sequences, token_adv, value_returns, old_values,
                                     seed, scratch)
     else:
@@ -141,3 +141,7 @@ def update(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manif
     return run_stage(ctx, iteration, STAGE, depends_on=ctx.fields(*READS), upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, rollout, advantages, policy, reference, scratch,
                                                      branches))
+
+
+if __name__ == "__main__":  # one process of a ppo.processes > 1 update, started by torchrun (tasks/update_dp.py)
+    worker(Path(sys.argv[1]), train)

@@ -2,10 +2,11 @@
 
 The stage writes its batch to its scratch folder (flat numpy arrays, no pickles) with a small JSON of what the
 workers need to find the rest in the store (run, config, the policy and reference manifests, the seed), then
-runs ``torchrun --nproc_per_node N -m tasks.update_dp SCRATCH``. Every process loads the policy from the store,
-packs the same minibatches and trains its share of each (accelerate sets up the process group: gloo on CPUs,
-NCCL on GPUs); the first process writes the new checkpoint and the update's report, which the stage commits as
-if it had trained alone. A failed worker ends the stage with its last lines.
+runs ``torchrun --nproc_per_node N -m tasks.update SCRATCH``: the update stage's own module, whose entry point
+calls ``worker`` with its ``train`` (so this module does not import the stage back). Every process loads the
+policy from the store, packs the same minibatches and trains its share of each (accelerate sets up the process
+group: gloo on CPUs, NCCL on GPUs); the first process writes the new checkpoint and the update's report, which the
+stage commits as if it had trained alone. A failed worker ends the stage with its last lines.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def train_in_processes(ctx: RunContext, policy: Manifest, reference: Manifest, s
         "policy": [policy.iteration, policy.stage], "reference": [reference.iteration, reference.stage]}))
     [port] = free_ports(1)  # for the processes' rendezvous
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ctx.config.ppo.processes),
-               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "tasks.update_dp", str(scratch)]
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "tasks.update", str(scratch)]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"update: the {ctx.config.ppo.processes}-process update failed (exit {done.returncode}); "
@@ -65,11 +66,10 @@ def _split(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
-def worker(scratch: Path) -> None:
-    """One process of the update (run by torchrun): the batch from ``scratch``, the policy from the store."""
+def worker(scratch: Path, train: Callable[..., UpdateReport]) -> None:
+    """One process of the update (run by torchrun): the batch from ``scratch``, the policy from the store, trained
+    by ``train`` (``tasks.update.train``)."""
     import torch
-
-    from tasks.update import train
 
     torch.set_num_threads(1)
     spec = json.loads((scratch / SPEC).read_text())
@@ -94,7 +94,3 @@ def worker(scratch: Path) -> None:
     finally:
         if data_parallel is not None:
             data_parallel.close()
-
-
-if __name__ == "__main__":
-    worker(Path(sys.argv[1]))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 FORBIDDEN = ("prefect", "mlflow", "tasks", "flows", "infra", "prefect_dask", "dask")
@@ -31,12 +33,12 @@ def test_importing_all_of_focus_core_loads_no_orchestration_tracking_or_infra():
     assert not set(FORBIDDEN) & set(report["loaded"]), set(FORBIDDEN) & set(report["loaded"])
 
 
-def import_graph(root: Path, package: str) -> dict[str, set[str]]:
-    """Module name -> the package's modules it imports at run time, at module level or inside a function (read with
+def import_graph(root: Path, *packages: str) -> dict[str, set[str]]:
+    """Module name -> the packages' modules it imports at run time, at module level or inside a function (read with
     ``ast``, nothing is imported). Imports under ``if TYPE_CHECKING:`` run for type checkers only and are left out.
     ``from a import b`` counts as an import of module ``a.b`` when there is one, else of ``a``."""
     files = {}
-    for path in (root / package).rglob("*.py"):
+    for path in (path for package in packages for path in (root / package).rglob("*.py")):
         parts = path.relative_to(root).with_suffix("").parts
         files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph = {}
@@ -108,8 +110,10 @@ def test_the_cycle_check_sees_function_level_and_relative_imports_and_not_type_c
     assert import_cycles(graph) == [["p.a", "p.b", "p.c"]]
 
 
-def test_no_module_of_focus_core_imports_itself_through_others():
-    graph = import_graph(REPO, "focus_core")
+@pytest.mark.parametrize("packages", [("focus_core",), ("focus_core", "tasks", "flows", "bench", "infra", "examples")],
+                         ids=["focus_core", "the project"])
+def test_no_module_imports_itself_through_others(packages):
+    graph = import_graph(REPO, *packages)
     assert len(graph) > 20 and "focus_core.policy.base" in graph["focus_core.agent.harness"]
     cycles = import_cycles(graph)
     assert not cycles, "import cycles (each: modules that import one another): " + "; ".join(
