@@ -53,7 +53,7 @@ from focus_core.acquisition import (
 )
 from focus_core.advantages import segment_td_lambda_batch
 from focus_core.config import AcquisitionConfig, AdvantageConfig, CriticConfig
-from focus_core.critic import EnsembleCritic, out_of_bag_mean
+from focus_core.critic import EnsembleCritic, PriorFunctionCritic, out_of_bag_mean
 from focus_core.envs import make_trap_env
 from focus_core.envs.traps import ExactValueEnv
 from focus_core.features import hashed_text_features, with_scalar_features
@@ -83,6 +83,7 @@ class Settings:
     feature_dim: int = 64
     # hidden 64 fits as well as 256 here (measured) and keeps the full grid within minutes
     critic: CriticConfig = field(default_factory=lambda: CriticConfig(hidden=64, steps=300, lr=1e-2))
+    critic_prior_scale: float = 0.0  # > 0: PriorFunctionCritic (randomised prior functions), an issue-12 experiment
     # chunk 2, cap 8, ε = 0.2, VinePPO K = 9, jitter 1e-4: the method defaults (method.md §9.7)
     acquisition: AcquisitionConfig = field(default_factory=lambda: AcquisitionConfig(benchmark_only=True))
 
@@ -176,7 +177,9 @@ def segment_values(batch: MainBatch, value_of_segment: np.ndarray) -> np.ndarray
 
 def fit_critic(table: StateTable, data: ReturnCounts, settings: Settings) -> tuple[EnsembleCritic, np.ndarray]:
     """A fresh critic fitted on every return seen so far, and its members' predictions at every table state."""
-    critic = EnsembleCritic(settings.critic, n_features=settings.feature_dim + 2)  # + 2 scalar features
+    n_features = settings.feature_dim + 2  # + 2 scalar features
+    critic = (PriorFunctionCritic(settings.critic, n_features, settings.critic_prior_scale)
+              if settings.critic_prior_scale > 0 else EnsembleCritic(settings.critic, n_features))
     features = table.feature_matrix()
     critic.fit(features, *data.padded(len(table.states)))
     return critic, critic.predict_members(features)
@@ -460,16 +463,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget-ratios", nargs="+", type=float, help="budgets as multiples of main tokens")
     parser.add_argument("--main-trajectories", type=int, default=Settings.main_trajectories)
     parser.add_argument("--rounds", type=int, default=Settings.rounds)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds first..first+seeds-1 (the reported grids use 0..; settings are tuned on 100..)")
+    parser.add_argument("--critic-members", type=int, default=Settings().critic.members,
+                        help="ensemble members of the benchmark's critic")
+    parser.add_argument("--critic-prior-scale", type=float, default=Settings.critic_prior_scale,
+                        help="> 0: each member gets a fixed random prior function of this scale in logit units "
+                             "(focus_core.critic.PriorFunctionCritic)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     add_output_options(parser)
     args = parser.parse_args(argv)
     if args.from_json:
         return render(args.from_json, args.markdown, args.plot)
     grid = chosen_grid(parser, args, QUICK_GRID if args.quick else FULL_GRID)
-    settings = Settings(main_trajectories=args.main_trajectories, rounds=args.rounds)
+    settings = Settings(main_trajectories=args.main_trajectories, rounds=args.rounds,
+                        critic=Settings().critic.model_copy(update={"members": args.critic_members}),
+                        critic_prior_scale=args.critic_prior_scale)
 
     started = time.perf_counter()
-    jobs = [(env, seed) for env in grid["envs"] for seed in range(grid["seeds"])]
+    jobs = [(env, seed) for env in grid["envs"] for seed in range(args.first_seed, args.first_seed + grid["seeds"])]
     rows: list[dict] = []
     with ProcessPoolExecutor(max_workers=args.workers) as pool:
         futures = [pool.submit(run_seed, env, seed, grid["budget_ratios"], grid["strategies"], settings)
@@ -478,7 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.extend(future.result())
             print(f"[{done}/{len(jobs)}] {jobs[done - 1][0]} seed {jobs[done - 1][1]} "
                   f"({time.perf_counter() - started:.0f}s)", flush=True)
-    write_outputs(args, rows, {"grid": grid, "seconds": time.perf_counter() - started})
+    write_outputs(args, rows, {"grid": grid, "first_seed": args.first_seed, "critic_members": args.critic_members,
+                               "critic_prior_scale": args.critic_prior_scale, "seconds": time.perf_counter() - started})
     return 0
 
 

@@ -33,6 +33,7 @@ from focus_core.config import CriticConfig
 
 WEIGHTS_FILE = "critic.safetensors"
 CONFIG_FILE = "critic.json"
+PRIOR_FILE = "prior_functions.safetensors"  # PriorFunctionCritic only
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,74 @@ class EnsembleCritic:
             critic.params[name] = tensors[name]
         critic.feature_mean, critic.feature_std = tensors["feature_mean"], tensors["feature_std"]
         critic.fitted = bool(meta["fitted"])
+        return critic
+
+
+
+class PriorFunctionCritic(EnsembleCritic):
+    """The ensemble with a randomised prior function per member (Osband et al., 2018): member m's logit is its
+    trained head plus ``prior_scale`` × p_m(s), p_m a fixed random MLP of the same shape that is never trained,
+    standardised over the states of the first fit so that ``prior_scale`` is in logit units.
+
+    Where returns pin a state down, each head learns to cancel its prior there; away from them the members keep
+    their different priors and disagree. So the spread measures distance from the data even where the trained
+    heads, which share features and a zero-centred weight prior, would agree. Used by the critic-budget benchmark
+    (``--critic-prior-scale``) to test whether a more diverse ensemble's spread tracks the critic's error (issue 12);
+    the pipeline's critic is the plain ``EnsembleCritic``.
+    """
+
+    def __init__(self, config: CriticConfig, n_features: int, prior_scale: float):
+        if prior_scale < 0:
+            raise ValueError(f"prior_scale must be >= 0, got {prior_scale}")
+        self.prior_scale = float(prior_scale)
+        generator = torch.Generator().manual_seed(config.seed + 7919)  # its own stream: the heads' draws are kept
+        m, h = config.members, config.hidden
+        self.prior = {"w1": torch.randn((m, n_features, h), generator=generator) / math.sqrt(n_features),
+                      "w2": torch.randn((m, h), generator=generator) / math.sqrt(h),
+                      "shift": torch.zeros(m, 1), "spread": torch.ones(m, 1)}
+        super().__init__(config, n_features)
+
+    def _raw_prior(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, F] features -> [M, S] prior functions before standardisation."""
+        z = (x - self.feature_mean) / self.feature_std
+        return (torch.relu(torch.einsum("sf,mfh->msh", z, self.prior["w1"])) * self.prior["w2"][:, None, :]).sum(-1)
+
+    def _prior_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._raw_prior(x) - self.prior["shift"]) / self.prior["spread"]
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return super()._logits(x) + self.prior_scale * self._prior_logits(x)
+
+    def fit(self, features: np.ndarray, successes: np.ndarray, trials: np.ndarray, *,
+            warm_start: bool = False) -> FitReport:
+        if not (warm_start and self.fitted):
+            # The first fit fixes the feature scaling (as the base class does) and the priors' standardisation.
+            x = self._features(features)[torch.as_tensor(np.asarray(trials, dtype=np.float64) > 0)]
+            std = x.std(0, unbiased=False)
+            self.feature_mean, self.feature_std = x.mean(0), torch.where(std > 1e-4, std, torch.ones_like(std))
+            raw = self._raw_prior(x)
+            self.prior["shift"], self.prior["spread"] = raw.mean(1, keepdim=True), raw.std(1, keepdim=True)
+            self.prior["spread"] = self.prior["spread"].clamp_min(1e-6)
+        return super().fit(features, successes, trials, warm_start=warm_start)
+
+    def save(self, directory: str | Path) -> Path:
+        directory = super().save(directory)
+        save_file({k: v.contiguous() for k, v in self.prior.items()}, str(directory / PRIOR_FILE))
+        meta = json.loads((directory / CONFIG_FILE).read_text())
+        (directory / CONFIG_FILE).write_text(json.dumps({**meta, "prior_scale": self.prior_scale}, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PriorFunctionCritic:
+        directory = Path(directory)
+        plain = EnsembleCritic.load(directory)
+        meta = json.loads((directory / CONFIG_FILE).read_text())
+        if "prior_scale" not in meta or not (directory / PRIOR_FILE).exists():
+            raise FileNotFoundError(f"{directory} holds a plain EnsembleCritic (no {PRIOR_FILE}): load it with "
+                                    "EnsembleCritic.load")
+        critic = cls(plain.config, plain.n_features, meta["prior_scale"])
+        critic.params, critic.feature_mean, critic.feature_std = plain.params, plain.feature_mean, plain.feature_std
+        critic.fitted, critic.prior = plain.fitted, load_file(str(directory / PRIOR_FILE))
         return critic
 
 

@@ -144,3 +144,25 @@ def test_ablation_pairs_by_seed_and_averages_over_envs():
     summary = critic_budget.summarise([{**r, "adv_mse": 0.0, "sign_acc": 1.0, "spearman": None} for r in rows])
     cell = ablation.cells(summary, [1.0])[("novelty", 1.0)]
     assert cell["ratio"] == pytest.approx(0.7) and cell["worst"] == pytest.approx(0.7)
+
+
+def test_critic_budget_takes_tuning_seeds_and_the_prior_function_critic(tmp_path):
+    """--first-seed moves the seeds (settings are tuned on 100.., reported on 0..); --critic-members and
+    --critic-prior-scale give every strategy the same other critic, and the JSON says which it was."""
+    def run(scale: str) -> dict:
+        out = tmp_path / f"cb{scale}.json"
+        code = focus_main(["bench", "critic-budget", "--seeds", "1", "--first-seed", "100", "--envs",
+                           "combination_lock", "--strategies", "uniform_random", "ensemble_std", "--budget-ratios",
+                           "0.5", "--main-trajectories", "12", "--rounds", "2", "--workers", "1",
+                           "--critic-members", "8", "--critic-prior-scale", scale, "--json", str(out)])
+        assert code == 0
+        return json.loads(out.read_text())
+
+    prior, plain = run("1.0"), run("0")
+    assert {row["seed"] for row in prior["rows"]} == {100}
+    assert (prior["first_seed"], prior["critic_members"], prior["critic_prior_scale"]) == (100, 8, 1.0)
+    assert all(-1.0 <= row["spearman"] <= 1.0 for row in prior["rows"] if row["strategy"] == "ensemble_std")
+    # same seed and main trajectories, another critic: the round-0 critic (budget 0) already differs
+    [prior_start] = [r["critic_mse"] for r in prior["rows"] if r["budget_ratio"] == 0]
+    [plain_start] = [r["critic_mse"] for r in plain["rows"] if r["budget_ratio"] == 0]
+    assert prior_start != plain_start

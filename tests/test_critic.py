@@ -162,3 +162,58 @@ def test_regression_one_return_states_are_not_memorised_into_worse_than_a_consta
     mean, _ = critic.predict(x)
     constant_mse = np.mean((truth - successes.mean()) ** 2)
     assert np.mean((mean - truth) ** 2) < 0.6 * constant_mse
+
+
+# --- randomised prior functions (focus_core.critic.PriorFunctionCritic, the critic-budget experiment) -------------
+
+
+def test_prior_functions_of_scale_zero_leave_the_ensemble_as_it_is():
+    """The subclass adds the prior and nothing else: at scale 0 it is the plain ensemble, draw for draw."""
+    from focus_core.critic import PriorFunctionCritic
+
+    x, y, n, _ = _data()
+    plain, prior = make_critic(), PriorFunctionCritic(CONFIG, 8, prior_scale=0.0)
+    plain.fit(x, y, n)
+    prior.fit(x, y, n)
+    np.testing.assert_array_equal(plain.predict_members(x), prior.predict_members(x))
+
+
+def test_prior_functions_keep_members_apart_away_from_the_data():
+    """Trained where the data are (x₀ ∈ [−1, 1]), the members agree there; far from them (x₀ = 6) the plain heads
+    still share one extrapolation, while each prior-function member keeps its own prior: larger spread."""
+    from focus_core.critic import PriorFunctionCritic
+
+    rng = np.random.default_rng(3)
+    x = np.zeros((400, 8), dtype=np.float32)
+    x[:, 0] = rng.uniform(-1, 1, 400)
+    trials = np.full(400, 8)
+    successes = rng.binomial(trials, 0.3)
+    far = np.zeros((50, 8), dtype=np.float32)
+    far[:, 0] = 6.0
+    far[:, 1:] = rng.normal(size=(50, 7)) * 3
+    plain, prior = make_critic(), PriorFunctionCritic(CONFIG, 8, prior_scale=1.0)
+    plain.fit(x, successes, trials)
+    prior.fit(x, successes, trials)
+    _, near_var = prior.predict(x)
+    _, far_var = prior.predict(far)
+    _, plain_far_var = plain.predict(far)
+    assert far_var.mean() > 4 * near_var.mean()
+    assert far_var.mean() > 2 * plain_far_var.mean()
+    assert abs(prior.predict(x)[0].mean() - 0.3) < 0.05  # the heads learn to cancel their priors on the data
+
+
+def test_prior_function_critic_round_trips_and_a_plain_checkpoint_is_refused(tmp_path):
+    from focus_core.critic import PriorFunctionCritic
+
+    x, y, n, _ = _data()
+    critic = PriorFunctionCritic(CONFIG, 8, prior_scale=1.5)
+    critic.fit(x, y, n)
+    loaded = PriorFunctionCritic.load(critic.save(tmp_path / "prior"))
+    assert loaded.prior_scale == 1.5
+    np.testing.assert_allclose(loaded.predict_members(x), critic.predict_members(x), rtol=0, atol=1e-7)
+    plain = make_critic()
+    plain.fit(x, y, n)
+    with pytest.raises(FileNotFoundError, match="plain EnsembleCritic"):
+        PriorFunctionCritic.load(plain.save(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="prior_scale must be >= 0"):
+        PriorFunctionCritic(CONFIG, 8, prior_scale=-1.0)
