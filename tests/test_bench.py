@@ -166,3 +166,21 @@ def test_critic_budget_takes_tuning_seeds_and_the_prior_function_critic(tmp_path
     [prior_start] = [r["critic_mse"] for r in prior["rows"] if r["budget_ratio"] == 0]
     [plain_start] = [r["critic_mse"] for r in plain["rows"] if r["budget_ratio"] == 0]
     assert prior_start != plain_start
+
+
+def test_critic_diversity_summary_pairs_critics_by_seed():
+    from bench.critic_diversity import markdown, summary
+
+    def report(members, scale, uniform_mse, ensemble_mse, seeds=(100, 101)):
+        rows = [{"env": "combination_lock", "budget_ratio": 1.0, "seed": s, "strategy": strategy, "critic_mse": mse,
+                 "spearman": rho} for s in seeds for strategy, mse, rho in
+                (("uniform_random", uniform_mse, None), ("ensemble_std", ensemble_mse, 0.3))]
+        return {"rows": rows, "critic_members": members, "critic_prior_scale": scale}
+
+    rows = summary([report(5, 0.0, 0.02, 0.03), report(16, 1.0, 0.01, 0.005)])
+    assert [r["uniform_vs_reference"] for r in rows] == [1.0, 0.5]
+    assert [r["ensemble_std_vs_uniform"] for r in rows] == [1.5, 0.5]
+    assert rows[1]["ensemble_std_spearman"] == pytest.approx(0.3)
+    assert "| 16 members, prior scale 1 | 0.50 | 0.50; +0.30 |" in markdown(rows)
+    with pytest.raises(ValueError, match="share their seeds"):
+        summary([report(5, 0.0, 0.02, 0.03), report(16, 1.0, 0.01, 0.005, seeds=(0, 1))])
