@@ -138,11 +138,7 @@ class EnsembleCritic:
             raise ValueError("critic.fit got no state with trials > 0: nothing to learn from")
         if not (warm_start and self.fitted):
             self._initialise()  # fresh members: the fit depends only on data and seed
-            self.feature_mean = x.mean(0)
-            std = x.std(0, unbiased=False)
-            # A feature constant in the training data is left unscaled: dividing by a ~0 std would
-            # blow up any later state where it differs.
-            self.feature_std = torch.where(std > 1e-4, std, torch.ones_like(std))
+            self._scale_features(x)
 
         config = self.config
         generator = torch.Generator().manual_seed(config.seed + 1)
@@ -192,6 +188,14 @@ class EnsembleCritic:
             p.requires_grad_(False)
         self.fitted = True
         return FitReport(states=int(x.shape[0]), trials=float(n.sum()), steps=config.steps, final_loss=loss_value)
+
+    def _scale_features(self, x: torch.Tensor) -> None:
+        """Standardise features with the statistics of ``x`` (the first fit's states); frozen after that."""
+        self.feature_mean = x.mean(0)
+        std = x.std(0, unbiased=False)
+        # A feature constant in the training data is left unscaled: dividing by a ~0 std would
+        # blow up any later state where it differs.
+        self.feature_std = torch.where(std > 1e-4, std, torch.ones_like(std))
 
     # -- persistence --------------------------------------------------------------------------
 
@@ -265,17 +269,11 @@ class PriorFunctionCritic(EnsembleCritic):
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return super()._logits(x) + self.prior_scale * self._prior_logits(x)
 
-    def fit(self, features: np.ndarray, successes: np.ndarray, trials: np.ndarray, *,
-            warm_start: bool = False) -> FitReport:
-        if not (warm_start and self.fitted):
-            # The first fit fixes the feature scaling (as the base class does) and the priors' standardisation.
-            x = self._features(features)[torch.as_tensor(np.asarray(trials, dtype=np.float64) > 0)]
-            std = x.std(0, unbiased=False)
-            self.feature_mean, self.feature_std = x.mean(0), torch.where(std > 1e-4, std, torch.ones_like(std))
-            raw = self._raw_prior(x)
-            self.prior["shift"], self.prior["spread"] = raw.mean(1, keepdim=True), raw.std(1, keepdim=True)
-            self.prior["spread"] = self.prior["spread"].clamp_min(1e-6)
-        return super().fit(features, successes, trials, warm_start=warm_start)
+    def _scale_features(self, x: torch.Tensor) -> None:
+        """The first fit fixes the feature scaling (as the plain ensemble's does) and the priors' standardisation."""
+        super()._scale_features(x)
+        raw = self._raw_prior(x)
+        self.prior["shift"], self.prior["spread"] = raw.mean(1, keepdim=True), raw.std(1, keepdim=True).clamp_min(1e-6)
 
     def save(self, directory: str | Path) -> Path:
         directory = super().save(directory)
