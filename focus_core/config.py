@@ -361,6 +361,11 @@ class FocusConfig(_Section):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     lora: LoRAConfig | None = Field(None, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
                                     description="null: the update trains every weight")
+    exact_values: bool = Field(
+        False, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="a diagnostic, not a method (trap environments, Markov context): the advantage stage uses the "
+        "exact V^π of the sampling policy at every segment state in place of V̂, so a run shows what a perfect "
+        "critic would buy; the critic is still fitted and branching is unchanged")
 
     @model_validator(mode="before")
     @classmethod
@@ -427,6 +432,12 @@ class FocusConfig(_Section):
         if self.generation.backend == "vllm" and self.generation.shards > 1:
             problems.append("generation.shards: with backend vllm the server batches every episode's requests "
                             "itself (fix: generation.shards=1, or generation.backend=hf)")
+        if self.exact_values and method.values not in ("critic", "monte_carlo"):
+            problems.append(f"exact_values: {method.name} takes no state values (it uses {method.values}), so there "
+                            f"is nothing to replace (fix: remove it, or use method=focus or vineppo)")
+        if self.exact_values and (self.agent.compression != "observation" or self.agent.top_p != 1.0):
+            problems.append("exact_values: exact values need the Markov context and the untruncated sampler "
+                            "(fix: agent.compression=observation and agent.top_p=1)")
         resolved = self.model_dump()
         for path, wanted in method.requires.items():
             section, name = path.split(".")

@@ -16,6 +16,10 @@ starts at its parent state, whose value is the parent's leave-one-out value (its
 and the state's other returns); its later states, new to the critic, get the last round's full critic
 evaluated on their features (the policy's mean-pooled hidden states, as in stage segment); without a critic
 VinePPO's r_k + V̂(s_{k+1}) rule. A continuation the budget cut is masked like a main episode.
+
+``exact_values`` (a diagnostic on the trap environments): every V̂ above is replaced by the exact V^π of the
+policy that sampled the iteration at that state (``ExactEvaluator.values_at``), so a run shows what a perfect
+critic would buy at the same budget; the figure ``estimated_value_error`` is mean |V̂ − V^π| over the batch.
 """
 
 from __future__ import annotations
@@ -29,16 +33,17 @@ import pyarrow as pa
 from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
 from focus_core.continuations import continuation_values, observed_returns
+from focus_core.envs.trap_tools import ExactEvaluator
 from focus_core.features import policy_context_features, with_scalar_features
-from focus_core.rollouts import states_table, training_sequences
+from focus_core.rollouts import segment_starts, states_table, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
 from tasks.fit_critic import out_of_fold_values
-from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, load_value_head, policy_at, read, state_keys
+from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, env_factory, load_value_head, policy_at, read, state_keys, tasks
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
-READS = ("method", "advantage", "ppo.train_on_continuations")
+READS = ("method", "advantage", "ppo.train_on_continuations", "exact_values")
 # The states columns the batch and the advantages table read (main and continuation states alike).
 COLUMNS = (*STATE_KEYS, "segment_reward", "segment_generated_tokens")
 
@@ -76,8 +81,13 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     batch = {"rewards": states.column("segment_reward").to_numpy(), "lengths": lengths,
              "outcomes": np.array([column["reward"][e] for e in ids], dtype=np.float64), "groups": groups,
              "segment_tokens": states.column("segment_generated_tokens").to_numpy()}
+    exact_figures = {}
     if method.values in ("critic", "monte_carlo"):
         batch["values"] = np.array([value_of[key] for key in zip(episode, segment_idx, strict=True)])
+        if cfg.exact_values:
+            estimated = batch["values"]
+            batch["values"] = _exact_values(ctx, states, rollout, policy, branches)
+            exact_figures = {"estimated_value_error": float(np.mean(np.abs(estimated - batch["values"])))}
     elif method.values == "value_head":
         sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=ids)
         model = policy_at(ctx, policy)
@@ -106,6 +116,7 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
                "nonzero": int((np.abs(advantage) > 1e-9).sum()), "masked_episodes": int(cut.sum())}
     if cfg.ppo.train_on_continuations:
         figures["continuation_segments"] = n_continuations
+    figures |= exact_figures
     return StageResult(tables=tables, figures=figures, policy_version=segment.policy_version)
 
 
@@ -156,6 +167,22 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
         return_n=np.array([seen.get(s, (0.0, 0))[1] for s in parent], dtype=np.float64),
         own_return=reward.astype(np.float64), counted=~cut.astype(bool), later=later)
     return states, episodes, dict(zip(zip(episode, segment_idx.tolist(), strict=True), value.tolist(), strict=True))
+
+
+def _exact_values(ctx: RunContext, states: pa.Table, rollout: Manifest, policy: Manifest,
+                  branches: Sequence[Manifest]) -> np.ndarray:
+    """``exact_values``: V^π of the policy that sampled the iteration at each state (trap environments only)."""
+    env = env_factory(ctx)()
+    if not env.has_exact_values:
+        raise ValueError(f"exact_values: {ctx.config.env.name} has no exact values (fix: a trap environment, "
+                         f"e.g. env.name=combination_lock, or remove exact_values)")
+    parts = [rollout, *(m for m in branches if not m.skipped)]
+    starts = segment_starts(states.column("state_id").to_pylist(),
+                            rollouts=pa.concat_tables([read(ctx, m, "rollouts") for m in parts]),
+                            episodes=pa.concat_tables([read(ctx, m, "episodes") for m in parts]),
+                            tasks_by_id={t.task_id: t for t in tasks(ctx, "train")}, system_prompt=env.system_prompt())
+    evaluator = ExactEvaluator(policy_at(ctx, policy), env, ctx.config.agent)
+    return evaluator.values_at([(start.task, start.calls, start.turn_idx) for start in starts])
 
 
 @stage_task("advantage")

@@ -241,6 +241,11 @@ def test_config_error_is_a_value_error():
             ["method=grpo", "budget.group_size_grpo=1", "budget.group_size_main=1"],
             r"budget.group_size_grpo: grpo compares rollouts within a group",
         ),
+        (
+            ["method=grpo", "acquisition=null", "critic=null", "exact_values=true"],
+            r"exact_values: grpo takes no state values.*method=focus or vineppo",
+        ),
+        (["exact_values=true"], r"exact_values: exact values need the Markov context.*agent.compression=observation"),
     ],
 )
 def test_unsupported_combinations_fail_fast_with_reason_and_fix(overrides, expected):
@@ -380,3 +385,14 @@ def test_config_to_dict_is_plain_data():
 def test_generation_and_lora_settings_that_cannot_work_fail_in_one_line(overrides, problem):
     with pytest.raises(ConfigError, match=problem):
         load_config(None, overrides)
+
+
+def test_exact_values_enter_the_advantage_stages_version_only_when_set():
+    """A field added after runs were committed: at its default it leaves every committed stage's version as it was."""
+    from tasks.advantage import READS
+    from tasks.stage import RunContext
+
+    markov = ["agent.compression=observation"]
+    off, on = (RunContext(None, "r", load_config(None, [*markov, *extra])) for extra in ([], ["exact_values=true"]))
+    assert "exact_values" not in off.fields(*READS) and on.fields(*READS)["exact_values"] is True
+    assert {k: v for k, v in on.fields(*READS).items() if k != "exact_values"} == off.fields(*READS)

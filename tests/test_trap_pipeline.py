@@ -267,6 +267,49 @@ def test_the_recursion_equals_the_traps_own_exact_values_for_a_table_policy(name
     assert np.all(ExactEvaluator(leaky, env, short).evaluate(tasks).values == 0.0)
 
 
+@pytest.mark.parametrize("name", TRAPS)
+def test_values_at_the_states_of_played_episodes_equal_the_traps_own_exact_values(name):
+    """``values_at`` (what ``exact_values`` puts in place of V̂): replay the messages, recurse from there."""
+    env = make_env(name)
+    table = {2: [0.3, 0.7], 3: [0.2, 0.5, 0.3], 4: [0.1, 0.4, 0.3, 0.2]}
+    long = MARKOV.model_copy(update={"max_turns": 60})
+    evaluator = ExactEvaluator(TablePolicy(corpus_tokenizer(env), table), env, long)
+    tasks, rng, points = env.tasks("train")[:8], np.random.default_rng(0), []
+    for task in tasks:  # episodes of random menu picks, every state on the way
+        trap, messages = env.trap_of(task), []
+        state = trap.initial_state()
+        while not trap.is_terminal(state):
+            points.append((task, tuple(messages), len(messages)))
+            message, index = env.menu_messages(trap, state)[rng.integers(len(trap.action_menu(state)))]
+            messages.append(message)
+            state = env.transition(trap, state, index)[0]
+    values = evaluator.values_at(points)
+    assert values[[calls == () for _, calls, _ in points]] == pytest.approx(evaluator.evaluate(tasks).values, abs=1e-12)
+    for (task, messages, _), value in zip(points, values, strict=True):
+        trap = env.trap_of(task)
+        positions = lambda state, trap=trap: env.display_order(trap, state)  # noqa: E731
+        tabular = TabularPolicy(trap, lambda state, positions=positions: np.array(
+            table[len(positions(state))])[np.argsort(positions(state))])
+        assert value == pytest.approx(trap.exact_values(tabular, [env.replay(task, messages)])[0], abs=1e-12)
+    assert values.max() > 0.0 and (name != "combination_lock" or values.min() == 0.0)  # random picks doom locks
+
+
+def test_values_at_count_the_turns_taken_and_the_off_menu_flag():
+    env = make_env("combination_lock")
+    leaky = TablePolicy(corpus_tokenizer(env), {3: [0.2, 0.5, 0.1]})  # 0.2 off-menu
+    evaluator = ExactEvaluator(leaky, env, MARKOV)  # 12 turns for 6 dials
+    task = env.tasks("train")[0]
+    off = "seventh()"
+    fresh, later, after_off, too_late = evaluator.values_at(
+        [(task, (), 0), (task, (), 3), (task, (off,), 1), (task, (), MARKOV.max_turns - 5)])
+    assert fresh > later > 0.0 and too_late == 0.0  # fewer turns left, less value; 6 dials need 6 turns
+    assert after_off == pytest.approx(evaluator.values_at([(task, (), 1)])[0])  # the table ignores the flag
+    assert env.position(task, (off,)) == (env.trap_of(task).initial_state(), True)
+    trap = env.trap_of(task)
+    wrong = next(m for m, i in env.menu_messages(trap, trap.initial_state()) if i != trap.combination[0])
+    assert evaluator.values_at([(task, (wrong,), 1)])[0] == 0.0  # a doomed lock
+
+
 def test_exact_evaluation_refuses_settings_it_cannot_model():
     env = make_env("combination_lock")
     policy = TablePolicy(corpus_tokenizer(env), {3: [0.2, 0.5, 0.3]})
@@ -403,3 +446,49 @@ def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success
         key = (row["iteration"], row["episode_id"], row["segment_idx"])
         per_segment[key] = per_segment.get(key, 0) + 1
     assert per_segment and set(per_segment.values()) == {1}
+
+
+@pytest.mark.slow
+def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_stage(tmp_path: Path):
+    """``exact_values: true`` (the perfect-critic diagnostic): the advantages' V is V^π of the policy that sampled."""
+    from focus_core.artifacts import ArtifactStore
+    from focus_core.policy.models import load_policy
+    from tasks.inputs import POLICY_FOLDER
+    from tests.test_pipeline import focus, table_rows
+
+    config = tmp_path / "trap.yaml"
+    # A warm start that plays the menus (about 0.5 held-out success), so that values are neither all 0 nor all 1.
+    config.write_text(TRAP_CONFIG.format(env="combination_lock").replace(
+        "bootstrap: {demonstrations: 24, epochs: 1, max_seconds: 10000}",
+        "bootstrap: {demonstrations: 300, max_steps: 600, lr: 1.0e-3, batch_tokens: 2048, max_seconds: 10000}")
+        + "exact_values: true\n")
+    focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "exact", cwd=tmp_path)
+    store = ArtifactStore(tmp_path / "runs")
+    figures = store.manifest("exact", 0, "advantage").figures
+    assert figures["estimated_value_error"] > 0.0 and figures["continuation_segments"] > 0
+    advantages = {(r["episode_id"], r["segment_idx"]): r["value"] for r in table_rows(store, "exact", "advantages")}
+    env = make_env("combination_lock", train_tasks=48, heldout_tasks=16)
+    tasks = {t.task_id: t for t in env.tasks("train")}
+    main = [r for r in table_rows(store, "exact", "episodes") if not r["is_branch"] and r["iteration"] == 0]
+    # A main episode's first state: V^π(s_0) of its task, by evaluate()'s recursion from the initial state.
+    policy = load_policy(store.fetch_folder("exact", 0, "bootstrap", POLICY_FOLDER))
+    agent = MARKOV.model_copy(update={"max_action_tokens": 12})
+    chosen = list({r["task_id"]: tasks[r["task_id"]] for r in main}.values())
+    v0 = dict(zip([t.task_id for t in chosen], ExactEvaluator(policy, env, agent).evaluate(chosen).values, strict=True))
+    for row in main:
+        assert advantages[(row["episode_id"], 0)] == pytest.approx(v0[row["task_id"]], rel=1e-9, abs=1e-12)
+    # A doomed lock is worth 0 whatever the policy (a live one too when too few turns are left to open it).
+    calls: dict[str, list[str]] = {}
+    doomed_states = 0
+    for row in table_rows(store, "exact", "rollouts"):
+        if row["iteration"] == 0 and row["branch_id"] is None:
+            if row["role"] == "context":
+                episode = next(e for e in main if e["episode_id"] == row["episode_id"])
+                trap, task = env.trap_of(tasks[episode["task_id"]]), tasks[episode["task_id"]]
+                doomed = trap.known_value(env.replay(task, calls.get(row["episode_id"], []))) == 0.0
+                if doomed:
+                    assert advantages[(row["episode_id"], row["segment_idx"])] == 0.0
+                    doomed_states += 1
+            elif row["role"] == "policy":
+                calls.setdefault(row["episode_id"], []).append(row["text"])
+    assert doomed_states and max(advantages.values()) > 0.0

@@ -48,7 +48,8 @@ Scoring is one ``score_batch`` over all contexts (shared prefixes computed once)
 (trap state, agent turns taken, off-menu flag) then gives V^π(s_0) exactly: an off-menu message repeats the
 state one agent turn later, and an episode unfinished after ``agent.max_turns`` turns gets reward 0, as in the
 harness. It needs ``top_p = 1`` (no nucleus) and contexts short enough that the harness's context-length cut
-can never apply (checked).
+can never apply (checked). ``values_at`` runs the same recursion from any state of a sampled episode (its
+messages replayed, its turns counted): the exact values the ``exact_values`` diagnostic puts in place of V̂.
 
 The one assumption: a message counts as a listed action only through its canonical tokenization. A sample that
 decodes (the harness strips whitespace and special tokens) to a listed call through other token ids is
@@ -61,7 +62,7 @@ from __future__ import annotations
 import abc
 import functools
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -183,13 +184,18 @@ class TrapToolEnv(ToolEnv):
 
     def replay(self, task: Task, messages: Sequence[str]) -> Hashable:
         """The trap state after ``messages`` (off-menu ones change nothing)."""
+        return self.position(task, messages)[0]
+
+    def position(self, task: Task, messages: Sequence[str]) -> tuple[Hashable, bool]:
+        """The trap state after ``messages``, and whether the last of them was off-menu (what the agent is shown)."""
         trap = self.trap_of(task)
-        state = trap.initial_state()
+        state, off_menu = trap.initial_state(), False
         for text in messages:
             index = self.action_of(trap, state, text)
+            off_menu = index is None
             if index is not None:
                 state = self.transition(trap, state, index)[0]
-        return state
+        return state, off_menu
 
     # -- ToolEnv -----------------------------------------------------------------------------------------------
 
@@ -420,28 +426,54 @@ class ExactEvaluator:
     def evaluate(self, tasks: Sequence[Task]) -> ExactEvaluation:
         started = time.perf_counter()
         moves = [self._moves(task) for task in tasks]
-        keyed = [(task, state, off) for task, table in zip(tasks, moves, strict=True) for state in table
-                 for off in (False, True)]
         score_started = time.perf_counter()
-        probabilities = self.action_probabilities(keyed)
+        probabilities = self._probabilities(tasks, moves)
         score_seconds = time.perf_counter() - score_started
-        per_task: dict[str, dict[tuple[Hashable, bool], np.ndarray]] = {}
-        for (task, state, off), p in zip(keyed, probabilities, strict=True):
-            per_task.setdefault(task.task_id, {})[(state, off)] = p
         values, nodes = [], 0
-        for task, table in zip(tasks, moves, strict=True):
-            value, visited = self._value_of(task, table, per_task[task.task_id])
-            values.append(value)
-            nodes += visited
-        off_mass = [max(0.0, 1.0 - float(p.sum())) for p in probabilities]
+        for task, table, p in zip(tasks, moves, probabilities, strict=True):
+            trap = self.env.trap_of(task)
+            start = trap.initial_state()
+            value, memo = self._value_function(task, table, p)
+            values.append(value(start, 0, False) if self._live(trap, start) else 0.0)
+            nodes += len(memo)
+        off_mass = [max(0.0, 1.0 - float(row.sum())) for p in probabilities for row in p.values()]
         return ExactEvaluation(np.array(values), self.scored_contexts, nodes,
                                float(np.mean(off_mass)) if off_mass else 0.0, score_seconds,
                                time.perf_counter() - started)
 
-    def _value_of(self, task: Task, moves: dict[Hashable, list[tuple[Hashable, float, bool, bool]]],
-                  probabilities: dict[tuple[Hashable, bool], np.ndarray]) -> tuple[float, int]:
-        """V^π(s_0) by memoised recursion over (trap state, agent turns taken, off-menu flag)."""
-        trap, max_turns = self.env.trap_of(task), self.agent.max_turns
+    def values_at(self, points: Sequence[tuple[Task, Sequence[str], int]]) -> np.ndarray:
+        """V^π at states of sampled episodes, each given as (task, the messages the policy sent before it, agent
+        turns taken): the messages replay to the trap state and the off-menu flag, then the recursion of
+        ``evaluate`` runs from there. A lost state (a doomed lock) is worth 0."""
+        tasks = list({task.task_id: task for task, _, _ in points}.values())
+        moves = [self._moves(task) for task in tasks]
+        functions = {task.task_id: self._value_function(task, table, p)[0]
+                     for task, table, p in zip(tasks, moves, self._probabilities(tasks, moves), strict=True)}
+        table_of = {task.task_id: table for task, table in zip(tasks, moves, strict=True)}
+        values = np.zeros(len(points))
+        for i, (task, messages, turns) in enumerate(points):
+            state, off_menu = self.env.position(task, messages)
+            if state in table_of[task.task_id]:
+                values[i] = functions[task.task_id](state, int(turns), off_menu)
+            elif self._live(self.env.trap_of(task), state):
+                raise ValueError(f"exact values: task {task.task_id} reaches a live state its move table lacks")
+        return values
+
+    def _probabilities(self, tasks: Sequence[Task], moves: Sequence[dict]
+                       ) -> list[dict[tuple[Hashable, bool], np.ndarray]]:
+        """p(a|s) of every (live state, off-menu flag) of each task's move table, scored in one batch."""
+        keyed = [(task, state, off) for task, table in zip(tasks, moves, strict=True) for state in table
+                 for off in (False, True)]
+        per_task: dict[str, dict[tuple[Hashable, bool], np.ndarray]] = {task.task_id: {} for task in tasks}
+        for (task, state, off), p in zip(keyed, self.action_probabilities(keyed), strict=True):
+            per_task[task.task_id][(state, off)] = p
+        return [per_task[task.task_id] for task in tasks]
+
+    def _value_function(self, task: Task, moves: dict[Hashable, list[tuple[Hashable, float, bool, bool]]],
+                        probabilities: dict[tuple[Hashable, bool], np.ndarray]
+                        ) -> tuple[Callable[[Hashable, int, bool], float], dict]:
+        """V^π(trap state, agent turns taken, off-menu flag) of a live state, by memoised recursion; and its memo."""
+        max_turns = self.agent.max_turns
         memo: dict[tuple[Hashable, int, bool], float] = {}
 
         def value(state: Hashable, turns: int, off_menu: bool) -> float:
@@ -461,8 +493,7 @@ class ExactEvaluator:
             memo[key] = total
             return total
 
-        start = trap.initial_state()
-        return (value(start, 0, False) if self._live(trap, start) else 0.0), len(memo)
+        return value, memo
 
 
 def exact_evaluation(policy: Any, env: ToolEnv, tasks: Sequence[Task], agent: Any) -> ExactEvaluation | None:
