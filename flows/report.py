@@ -61,6 +61,8 @@ def collect(store: ArtifactStore, name: str) -> dict[str, Any]:
                 for figure in ("critic_error_before", "score_error_spearman"):
                     if figure in manifest.figures:
                         critic[iteration][figure].append(float(manifest.figures[figure]))
+            if stage == "advantage" and "estimated_value_error" in manifest.figures:  # exact_values runs
+                critic[iteration]["estimated_value_error"].append(float(manifest.figures["estimated_value_error"]))
             if stage == "evaluate":
                 evaluated[iteration] = manifest
         for iteration in sorted(tokens):  # every iteration's spend, evaluated or not (eval_every > 1)
@@ -170,7 +172,7 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
     tasks: dict[tuple[str, str], dict[tuple[int, str], float]] = defaultdict(dict)
     for r in data["tasks"]:
         tasks[(r["env"], r["method"])][(r["seed"], r["task_id"])] = r["value"]
-    versus = []
+    versus, ablations = [], []
     for env in sorted({row["env"] for row in table}):
         rows = {row["method"]: row for row in table if row["env"] == env}
         baselines = [m for m, row in rows.items() if row["base_method"] not in (None, FOCUS)]
@@ -180,7 +182,12 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         mean, low, high = paired_bootstrap(tasks[(env, FOCUS)], tasks[(env, best)])
         versus.append({"env": env, "best_baseline": best, "focus_minus_best": mean, "low": low, "high": high,
                        "significant": bool(low > 0 or high < 0)})
-    return {"value": value_key, "table": table, "focus_vs_best": versus}
+        for ablation in sorted(m for m, row in rows.items() if row["base_method"] == FOCUS and m != FOCUS):
+            for other in (FOCUS, best):  # what the ablated part is worth, and where the row stands
+                mean, low, high = paired_bootstrap(tasks[(env, ablation)], tasks[(env, other)])
+                ablations.append({"env": env, "method": ablation, "versus": other, "difference": mean, "low": low,
+                                  "high": high, "significant": bool(low > 0 or high < 0)})
+    return {"value": value_key, "table": table, "focus_vs_best": versus, "ablations": ablations}
 
 
 def headline(summary: dict[str, Any]) -> list[str]:
@@ -238,18 +245,31 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
             kinds = [float(np.mean([r[f"tokens_{k}"] for r in rows])) for k in TOKEN_KINDS]
             lines.append(f"| {env} | {method} | {iteration} | " + " | ".join(f"{v:,.0f}" for v in kinds)
                          + f" | {sum(kinds):,.0f} |")
+    if summary.get("ablations"):
+        lines += ["", "FOCUS's ablation rows against FOCUS and against the best baseline (final success, paired "
+                  "bootstrap over seeds and held-out tasks, 95% CI; * the interval excludes 0).", "",
+                  "| env | row | − | difference (95% CI) |", "|---|---|---|---|"]
+        for a in summary["ablations"]:
+            lines.append(f"| {a['env']} | {a['method']} | {a['versus']} | {a['difference']:+.3f} ({a['low']:+.3f} to "
+                         f"{a['high']:+.3f}){' *' if a['significant'] else ''} |")
     diagnostics = [r for r in data["iterations"] if "critic_error_before" in r]
     if diagnostics:
+        exact = any("estimated_value_error" in r for r in diagnostics)
         lines += ["", "Critic diagnostics (mean over seeds and iterations): error on branched states before the "
-                  "critic saw them; Spearman of the acquisition score with it.", "",
-                  "| env | method | critic error before | score–error Spearman |", "|---|---|---|---|"]
+                  "critic saw them; Spearman of the acquisition score with it"
+                  + ("; for `exact_values` runs, the mean |V̂ − V^π| over the advantage batch." if exact else "."), "",
+                  "| env | method | critic error before | score–error Spearman |" + (" V̂ error vs exact |" if exact
+                                                                                     else ""),
+                  "|---|---|---|---|" + ("---|" if exact else "")]
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for r in diagnostics:
             groups[(r["env"], r["method"])].append(r)
         for (env, method), rows in sorted(groups.items()):
             rho = [r["score_error_spearman"] for r in rows if "score_error_spearman" in r]
             error = np.mean([r["critic_error_before"] for r in rows])
-            lines.append(f"| {env} | {method} | {error:.3f} | {f'{np.mean(rho):.3f}' if rho else '–'} |")
+            versus_exact = [r["estimated_value_error"] for r in rows if "estimated_value_error" in r]
+            lines.append(f"| {env} | {method} | {error:.3f} | {f'{np.mean(rho):.3f}' if rho else '–'} |"
+                         + (f" {np.mean(versus_exact):.3f} |" if versus_exact else " – |" if exact else ""))
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in images]
     return "\n".join(lines) + "\n"
 

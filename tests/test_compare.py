@@ -200,3 +200,27 @@ def test_the_readme_headline_tables_are_the_ones_their_committed_json_makes(tmp_
     assert page.read_text() == f"before\n{readme_block('x', 'x.json', summary, page.as_posix())}\nafter\n"
     with pytest.raises(ValueError, match="no block for comparison 'y'"):
         update_readme(page, "y", "y.json", summary)
+
+
+def test_the_report_pairs_every_focus_ablation_with_focus_and_with_the_best_baseline():
+    from flows.report import markdown, summarise
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs/results/traps/traps.json").read_text())
+    data.pop("summary")
+    # A made-up ablation row: FOCUS's own runs with every final held-out value 0.1 higher.
+    shifted = [{**r, "method": "focus_shifted", "value": r["value"] + 0.1}
+               for r in data["tasks"] if r["method"] == "focus"]
+    data = {**data, "tasks": data["tasks"] + shifted,
+            "runs": data["runs"] + [{**r, "method": "focus_shifted"} for r in data["runs"] if r["method"] == "focus"],
+            "iterations": data["iterations"] + [{**r, "method": "focus_shifted"} for r in data["iterations"]
+                                                if r["method"] == "focus"]}
+    summary = summarise(data)
+    rows = {(a["env"], a["method"], a["versus"]): a for a in summary["ablations"]}
+    best = {v["env"]: v for v in summary["focus_vs_best"]}
+    for env in ("combination_lock", "lookup_chain"):
+        versus_focus = rows[(env, "focus_shifted", "focus")]
+        assert (versus_focus["difference"], versus_focus["low"], versus_focus["high"]) == pytest.approx((0.1,) * 3)
+        versus_best = rows[(env, "focus_shifted", best[env]["best_baseline"])]
+        assert versus_best["difference"] == pytest.approx(best[env]["focus_minus_best"] + 0.1)
+        assert (env, "grpo", "focus") not in rows  # baselines are not ablations
+    assert "| lookup_chain | focus_shifted | focus | +0.100 (+0.100 to +0.100) * |" in markdown(data, summary, [])
