@@ -148,6 +148,21 @@ NAMED_QUERIES: dict[str, tuple[str, str]] = {
                  CASE r.role WHEN 'tool' THEN 0 WHEN 'context' THEN 1 WHEN 'policy' THEN 2 ELSE 3 END
         """,
     ),
+    "value_error_exact": (
+        "runs with exact_values: per iteration, the last critic round's values (the critic's own, and combined "
+        "with the state's returns) against the exact V^pi the advantages used, split by whether the state is "
+        "worth nothing (a doomed lock, a poisoned chain) and whether it has returns of its own — MAE, states",
+        """
+        WITH last_round AS (SELECT run_id, iteration, max(stage) AS stage FROM "values" GROUP BY run_id, iteration)
+        SELECT v.iteration, a.value = 0 AS worth_nothing, v.n > 0 AS has_returns, count(*) AS states,
+               avg(a.value) AS exact, avg(v.critic_mean) AS critic, avg(v.value) AS combined,
+               avg(abs(v.critic_mean - a.value)) AS critic_mae, avg(abs(v.value - a.value)) AS combined_mae
+        FROM "values" v JOIN last_round l USING (run_id, iteration, stage)
+        JOIN advantages a ON a.run_id = v.run_id AND a.iteration = v.iteration AND a.episode_id = v.episode_id
+            AND a.segment_idx = v.segment_idx
+        GROUP BY ALL ORDER BY ALL
+        """,
+    ),
 }
 NAMED_QUERIES["join_example"] = ("the same as turns_with_advantages", NAMED_QUERIES["turns_with_advantages"][1])
 

@@ -345,3 +345,14 @@ def test_runs_report(tmp_path: Path, policy_dir: Path) -> None:
     assert demo[-1] == "50%"
     young = next(line for line in lines if line.startswith("young")).split()
     assert young[1] == "unknown" and young[3] == "0" and young[4] == "0/bootstrap"
+
+
+def test_value_error_exact_compares_the_last_critic_round_with_the_values_the_advantages_used(built) -> None:
+    # In this run the advantages used the last fit's values (no exact_values), so every error is 0; the first
+    # round's values (0.5 everywhere) would give mean |0.5 - V| instead.
+    rows = query(built, "value_error_exact")
+    assert [(r["iteration"], r["worth_nothing"], r["has_returns"], r["states"]) for r in rows] == [
+        (0, False, False, 8), (1, False, False, 8)]
+    for r in rows:
+        assert r["critic_mae"] == r["combined_mae"] == 0.0
+        assert r["exact"] == pytest.approx(sum(VALUES) / 8) == r["critic"]
