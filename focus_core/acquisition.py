@@ -808,6 +808,29 @@ def _average_ranks(x: np.ndarray) -> np.ndarray:
     return (sums / counts)[inverse]
 
 
+def calibrated_variance(critic_mean: np.ndarray, critic_var: np.ndarray, mc_mean: np.ndarray,
+                        n: np.ndarray) -> tuple[np.ndarray, float]:
+    """The critic's variance scaled up to the error it makes, and the scale (empirical Bayes).
+
+    Over the rows with returns, E[(ȳ − μ)²] = τ² + E[v_a/n]: the critic's squared error τ² plus the returns' own
+    noise (v_a = μ(1−μ), μ clipped as in ``combine_estimates``). When the mean ensemble variance is below
+    τ̂² = mean((ȳ − μ)²) − mean(v_a/n), every variance is multiplied by τ̂² / mean(σ²), which keeps the states'
+    ranking; otherwise (or with no returns) the variances are returned as they are, scale 1. ``critic_mean`` must
+    be out-of-fold (not fitted on the returns it is compared with), or τ̂² is too small.
+    """
+    var = np.asarray(critic_var, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    has = n > 0
+    if not has.any():
+        return var, 1.0
+    mu = np.asarray(critic_mean, dtype=np.float64)[has]
+    clipped = np.clip(mu, *VALUE_CLIP)
+    error = float(np.mean((np.asarray(mc_mean, dtype=np.float64)[has] - mu) ** 2))
+    tau2 = error - float(np.mean(clipped * (1 - clipped) / n[has]))
+    scale = max(1.0, tau2 / float(np.mean(var[has])))
+    return var * scale, scale
+
+
 def combine_estimates(critic_mean: np.ndarray, critic_var: np.ndarray, mc_mean: np.ndarray,
                       n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Precision-weighted value: (μ/σ² + n ȳ/v_a) / (1/σ² + n/v_a) and its variance (method.md §9.5, T8).

@@ -191,6 +191,11 @@ class CriticConfig(_Section):
         0, ge=0, description="also fit on the critic data of this many earlier iterations (features of older "
         "policies; 0 = this iteration only)"
     )
+    prior_variance: Literal["ensemble", "calibrated"] = Field(
+        "ensemble", json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="the critic prior's variance when it is combined with a state's returns: ensemble (the members' "
+        "spread) or calibrated (scaled up to the error the out-of-fold critic makes against the returns, when the "
+        "spread is smaller: empirical Bayes)")
 
 
 class AgentConfig(_Section):
@@ -481,10 +486,16 @@ def version_values(cfg: FocusConfig, names: Iterable[str]) -> dict[str, Any]:
         value: Any = resolved
         for key in name.split("."):
             value = value[key] if isinstance(value, dict) else None
-        if markers.get(name) == VERSIONED_WHEN_SET and value == _default_at(name):
-            continue
+        if markers.get(name) == VERSIONED_WHEN_SET and (value == _default_at(name) or value is None):
+            continue  # None: the field's section is null (critic.prior_variance for GRPO)
         if markers.get(name) != EXECUTION_ONLY:
             picked[name] = value
+    # A VERSIONED_WHEN_SET field a stage names beside its whole section is versioned by its own name alone (so only
+    # when set), not also inside the section.
+    for name in names:
+        section, _, field = name.rpartition(".")
+        if markers.get(name) == VERSIONED_WHEN_SET and isinstance(picked.get(section), dict):
+            picked[section] = {key: value for key, value in picked[section].items() if key != field}
     return picked
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from focus_core.acquisition import combine_estimates, spearman
+from focus_core.acquisition import calibrated_variance, combine_estimates, spearman
 from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.critic import EnsembleCritic
@@ -44,7 +44,7 @@ from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
-READS = ("seed", "method", "critic")
+READS = ("seed", "method", "critic", "critic.prior_variance")
 
 
 def stage_name(round_idx: int) -> str:
@@ -178,6 +178,8 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                 folders[fold_critic_folder(int(k))] = scratch / fold_critic_folder(int(k))
         prior_var = np.maximum(prior_var, floor)
         critic_mean, critic_var = prior_mean[inverse], prior_var[inverse]
+        if cfg.critic.prior_variance == "calibrated":
+            critic_var, figures["prior_variance_scale"] = calibrated_variance(critic_mean, critic_var, mc_mean, n)
         value, value_var = combine_estimates(critic_mean, critic_var, mc_mean, n)
         full.save(scratch / CRITIC_FOLDER)
         folders[CRITIC_FOLDER] = scratch / CRITIC_FOLDER

@@ -14,6 +14,7 @@ from focus_core.acquisition import (
     advantage_sensitivity,
     allocate,
     beta_posterior,
+    calibrated_variance,
     combine_estimates,
     expected_error_reduction,
     knn_residual_error,
@@ -61,6 +62,37 @@ def test_t8_shrinkage():
     assert var[0] == pytest.approx(0.024)
     value0, var0 = combine_estimates(np.array([0.4]), np.array([0.04]), np.array([np.nan]), np.array([0]))
     assert (value0[0], var0[0]) == (pytest.approx(0.4), pytest.approx(0.04))
+
+
+def test_calibrated_variance_worked_example():
+    # Returns at three of four states: squared errors 0.25, 0.64, 0.64 (mean 0.51), the returns' own noise
+    # μ(1−μ)/n = 0.0625, 0.04, 0.04 (mean 0.0475), so τ̂² = 0.4625 against a mean ensemble variance of 0.04/3.
+    mean, var = np.array([0.5, 0.2, 0.8, 0.4]), np.array([0.01, 0.01, 0.02, 0.01])
+    scaled, scale = calibrated_variance(mean, var, np.array([1.0, 1.0, 0.0, np.nan]), np.array([4, 4, 4, 0]))
+    assert scale == pytest.approx(0.4625 / (0.04 / 3))
+    np.testing.assert_allclose(scaled, var * scale)
+    # A spread that already covers the error, or no returns at all, is left as it is.
+    assert calibrated_variance(mean, var * 100, np.array([1.0, 1.0, 0.0, np.nan]), np.array([4, 4, 4, 0]))[1] == 1.0
+    assert calibrated_variance(mean, var, np.full(4, np.nan), np.zeros(4))[1] == 1.0
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.2, 0.4))
+def test_calibrated_variance_lets_returns_correct_an_overconfident_critic(seed, bias_sd):
+    """A critic off by N(0, bias_sd²) that believes its error is 0.005 (8-30x too small; the traps' critic errs by
+    0.27 on average): with the calibrated variance the combined value is closer to the truth than with the
+    ensemble's, and the scale is never below 1."""
+    rng = np.random.default_rng(seed)
+    truth = rng.uniform(0.0, 1.0, 2000)
+    critic = np.clip(truth + rng.normal(0.0, bias_sd, truth.size), 0.0, 1.0)
+    n = rng.integers(0, 6, truth.size).astype(float)
+    mc = np.where(n > 0, rng.binomial(n.astype(int), truth) / np.maximum(n, 1), np.nan)
+    spread = np.full(truth.size, 0.005)
+    scaled, scale = calibrated_variance(critic, spread, mc, n)
+    assert scale >= 1.0
+    before = np.mean((combine_estimates(critic, spread, mc, n)[0] - truth) ** 2)
+    after = np.mean((combine_estimates(critic, scaled, mc, n)[0] - truth) ** 2)
+    assert after < before
 
 
 def test_t9_ivr_covariance_gains_and_three_picks():

@@ -396,3 +396,15 @@ def test_exact_values_enter_the_advantage_stages_version_only_when_set():
     off, on = (RunContext(None, "r", load_config(None, [*markov, *extra])) for extra in ([], ["exact_values=true"]))
     assert "exact_values" not in off.fields(*READS) and on.fields(*READS)["exact_values"] is True
     assert {k: v for k, v in on.fields(*READS).items() if k != "exact_values"} == off.fields(*READS)
+
+
+def test_critic_prior_variance_enters_fit_critics_version_only_when_set():
+    from tasks.fit_critic import READS
+    from tasks.stage import RunContext
+
+    for method in ([], ["method=grpo", "acquisition=null", "critic=null"]):
+        fields = RunContext(None, "r", load_config(None, method)).fields(*READS)
+        assert "critic.prior_variance" not in fields
+        assert fields["critic"] is None or "prior_variance" not in fields["critic"]
+    on = RunContext(None, "r", load_config(None, ["critic.prior_variance=calibrated"])).fields(*READS)
+    assert on["critic.prior_variance"] == "calibrated" and "prior_variance" not in on["critic"]
