@@ -492,3 +492,13 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
             elif row["role"] == "policy":
                 calls.setdefault(row["episode_id"], []).append(row["text"])
     assert doomed_states and max(advantages.values()) > 0.0
+    # bench.value_calibration reads the same run: its ensemble error is the stage's own figure over the main states.
+    from bench.value_calibration import env_figures
+
+    figures = env_figures(store, ["exact"])
+    last_round = max(stage for _, stage, _ in store.committed("exact") if stage.startswith("fit_critic_r"))
+    last = {(r["episode_id"], r["segment_idx"]): r["value"]
+            for r in store.read_table("exact", 0, last_round, "values").to_pylist()}
+    assert figures["all"]["states"] == len(last)
+    assert figures["all"]["ensemble_mae"] == pytest.approx(np.mean([abs(v - advantages[k]) for k, v in last.items()]))
+    assert 0.0 <= figures["all"]["calibrated_mae"] <= 1.0 and figures["scale_min"] >= 1.0
