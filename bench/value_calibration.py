@@ -22,18 +22,14 @@ from pathlib import Path
 import numpy as np
 
 from flows.compare import compare_rows
-from flows.sql import connect
+from flows.sql import EXACT_VALUE_ROWS, connect
 from focus_core.acquisition import calibrated_variance, combine_estimates
 from focus_core.artifacts import ArtifactStore
 
-LAST_ROUND_VALUES = '''
-    WITH last_round AS (SELECT run_id, iteration, max(stage) AS stage FROM "values" GROUP BY run_id, iteration)
-    SELECT v.run_id, v.iteration, v.critic_mean, v.critic_var, coalesce(v.mc_mean, 'nan'::DOUBLE), v.n, v.value,
-           a.value AS exact
-    FROM "values" v JOIN last_round USING (run_id, iteration, stage)
-    JOIN advantages a ON a.run_id = v.run_id AND a.iteration = v.iteration AND a.episode_id = v.episode_id
-        AND a.segment_idx = v.segment_idx
-'''
+LAST_ROUND_VALUES = f"""
+    SELECT run_id, iteration, critic_mean, critic_var, coalesce(mc_mean, 'nan'::DOUBLE), n, value, exact
+    FROM ({EXACT_VALUE_ROWS})
+"""
 
 
 def env_figures(store: ArtifactStore, run_ids: Sequence[str]) -> dict:

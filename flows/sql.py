@@ -35,6 +35,16 @@ from focus_core.schemas import TABLES, empty_table
 # Each entry: name -> (one-line description, SQL). The main rollouts of an iteration are the rows the
 # rollout stage wrote (stage = 'rollout'); branch stages add their own rollouts and episodes. Turns are
 # ordered as focus_core.rollouts orders them: (segment, turn, role rank tool < context < policy/summary).
+# Each main state's row of the last critic round's `values`, with the value its advantage used as `exact` (in an
+# exact_values run, V^pi): what `value_error_exact` and bench/value_calibration.py compare.
+EXACT_VALUE_ROWS = """
+    WITH last_round AS (SELECT run_id, iteration, max(stage) AS stage FROM "values" GROUP BY run_id, iteration)
+    SELECT v.*, a.value AS exact
+    FROM "values" v JOIN last_round USING (run_id, iteration, stage)
+    JOIN advantages a ON a.run_id = v.run_id AND a.iteration = v.iteration AND a.episode_id = v.episode_id
+        AND a.segment_idx = v.segment_idx
+"""
+
 NAMED_QUERIES: dict[str, tuple[str, str]] = {
     "reward_trend": (
         "per iteration: train success of the main rollouts, held-out success, budget tokens spent",
@@ -152,14 +162,11 @@ NAMED_QUERIES: dict[str, tuple[str, str]] = {
         "runs with exact_values: per iteration, the last critic round's values (the critic's own, and combined "
         "with the state's returns) against the exact V^pi the advantages used, split by whether the state is "
         "worth nothing (a doomed lock, a poisoned chain) and whether it has returns of its own — MAE, states",
-        """
-        WITH last_round AS (SELECT run_id, iteration, max(stage) AS stage FROM "values" GROUP BY run_id, iteration)
-        SELECT v.iteration, a.value = 0 AS worth_nothing, v.n > 0 AS has_returns, count(*) AS states,
-               avg(a.value) AS exact, avg(v.critic_mean) AS critic, avg(v.value) AS combined,
-               avg(abs(v.critic_mean - a.value)) AS critic_mae, avg(abs(v.value - a.value)) AS combined_mae
-        FROM "values" v JOIN last_round l USING (run_id, iteration, stage)
-        JOIN advantages a ON a.run_id = v.run_id AND a.iteration = v.iteration AND a.episode_id = v.episode_id
-            AND a.segment_idx = v.segment_idx
+        f"""
+        SELECT iteration, exact = 0 AS worth_nothing, n > 0 AS has_returns, count(*) AS states,
+               avg(exact) AS exact, avg(critic_mean) AS critic, avg(value) AS combined,
+               avg(abs(critic_mean - exact)) AS critic_mae, avg(abs(value - exact)) AS combined_mae
+        FROM ({EXACT_VALUE_ROWS})
         GROUP BY ALL ORDER BY ALL
         """,
     ),
