@@ -36,9 +36,12 @@ from focus_core.schemas import TABLES, empty_table
 # rollout stage wrote (stage = 'rollout'); branch stages add their own rollouts and episodes. Turns are
 # ordered as focus_core.rollouts orders them: (segment, turn, role rank tool < context < policy/summary).
 # Each main state's row of the last critic round's `values`, with the value its advantage used as `exact` (in an
-# exact_values run, V^pi): what `value_error_exact` and bench/value_calibration.py compare.
+# exact_values run, V^pi): what `value_error_exact` and bench/value_calibration.py compare. The last round is the
+# highest round number: as text, 'fit_critic_r10' sorts before 'fit_critic_r9'.
 EXACT_VALUE_ROWS = """
-    WITH last_round AS (SELECT run_id, iteration, max(stage) AS stage FROM "values" GROUP BY run_id, iteration)
+    WITH last_round AS (
+        SELECT run_id, iteration, arg_max(stage, CAST(regexp_extract(stage, '[0-9]+$') AS INTEGER)) AS stage
+        FROM "values" GROUP BY run_id, iteration)
     SELECT v.*, a.value AS exact
     FROM "values" v JOIN last_round USING (run_id, iteration, stage)
     JOIN advantages a ON a.run_id = v.run_id AND a.iteration = v.iteration AND a.episode_id = v.episode_id

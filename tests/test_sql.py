@@ -15,12 +15,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from flows.runs import runs_report
-from flows.sql import NAMED_QUERIES, connect, describe_queries, format_table, run_query
+from flows.sql import EXACT_VALUE_ROWS, NAMED_QUERIES, connect, describe_queries, format_table, run_query
 from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.schemas import TABLES, schema_for
 
@@ -356,3 +357,16 @@ def test_value_error_exact_compares_the_last_critic_round_with_the_values_the_ad
     for r in rows:
         assert r["critic_mae"] == r["combined_mae"] == 0.0
         assert r["exact"] == pytest.approx(sum(VALUES) / 8) == r["critic"]
+
+
+def test_the_last_critic_round_is_the_highest_round_number_not_the_last_name_in_text_order() -> None:
+    # Regression: the last round was max(stage), and 'fit_critic_r10' sorts before 'fit_critic_r9' as text.
+    con = duckdb.connect()
+    con.execute('CREATE TABLE "values" (run_id TEXT, iteration INT, stage TEXT, episode_id TEXT, segment_idx INT, '
+                'value DOUBLE)')
+    con.execute("CREATE TABLE advantages (run_id TEXT, iteration INT, episode_id TEXT, segment_idx INT, "
+                "value DOUBLE)")
+    con.execute("""INSERT INTO "values" VALUES ('r', 0, 'fit_critic_r9', 'e', 0, 0.9),
+                   ('r', 0, 'fit_critic_r10', 'e', 0, 0.1), ('r', 0, 'fit_critic_r2', 'e', 0, 0.2)""")
+    con.execute("INSERT INTO advantages VALUES ('r', 0, 'e', 0, 0.0)")
+    assert con.execute(f"SELECT stage, value FROM ({EXACT_VALUE_ROWS})").fetchall() == [("fit_critic_r10", 0.1)]
