@@ -37,6 +37,7 @@ import pyarrow as pa
 from focus_core.acquisition import calibrated_variance, combine_estimates, spearman
 from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
+from focus_core.config import AcquisitionConfig
 from focus_core.critic import EnsembleCritic
 from focus_core.schemas import FLOATS, schema_for
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read, state_keys
@@ -44,7 +45,8 @@ from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
-READS = ("seed", "method", "critic", "critic.prior_variance")
+# acquisition.jitter: the floor of the out-of-fold variance before it is combined with the returns.
+READS = ("seed", "method", "critic", "critic.prior_variance", "acquisition.jitter")
 
 
 def stage_name(round_idx: int) -> str:
@@ -166,7 +168,8 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         if full is None:
             raise ValueError(f"[it {iteration}] fit_critic: no state has a return (every main episode was cut by "
                              f"the budget); fix: a larger budget.tokens_per_iteration")
-        floor = cfg.acquisition.jitter if cfg.acquisition else 1e-4
+        # A method with a critic but no acquisition (ppo_gae) floors at the schema's default jitter.
+        floor = (cfg.acquisition or AcquisitionConfig()).jitter
         # Out-of-fold prior of every distinct state.
         prior_mean, prior_var = np.full(len(distinct), FLAT_PRIOR[0]), np.full(len(distinct), FLAT_PRIOR[1])
         for k in np.unique(fold_of_state):

@@ -408,3 +408,16 @@ def test_critic_prior_variance_enters_fit_critics_version_only_when_set():
         assert fields["critic"] is None or "prior_variance" not in fields["critic"]
     on = RunContext(None, "r", load_config(None, ["critic.prior_variance=calibrated"])).fields(*READS)
     assert on["critic.prior_variance"] == "calibrated" and "prior_variance" not in on["critic"]
+
+
+def test_the_variance_floor_fit_critic_applies_is_in_its_version():
+    # Regression: fit_critic floors the out-of-fold variance at acquisition.jitter but did not name it in READS,
+    # so a run resumed with another floor reused the values the old floor had combined.
+    from tasks.fit_critic import READS
+    from tasks.stage import RunContext
+
+    low, high = (RunContext(None, "r", load_config(None, [f"acquisition.jitter={j}"])).fields(*READS)
+                 for j in (1e-4, 1e-2))
+    assert low != high
+    assert "critic" in RunContext(None, "r", load_config(None, ["method=grpo", "acquisition=null", "critic=null"])
+                                  ).fields(*READS)
