@@ -1,6 +1,7 @@
 """The benchmarks run end to end on a tiny grid and write the JSON that docs/benchmarks.md documents."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -184,3 +185,17 @@ def test_critic_diversity_summary_pairs_critics_by_seed():
     assert "| 16 members, prior scale 1 | 0.50 | 0.50; +0.30 |" in markdown(rows)
     with pytest.raises(ValueError, match="share their seeds"):
         summary([report(5, 0.0, 0.02, 0.03), report(16, 1.0, 0.01, 0.005, seeds=(0, 1))])
+
+
+def test_value_calibration_names_a_missing_comparison_or_row_in_one_line(tmp_path, capsys):
+    from bench import value_calibration
+    from flows.compare import load_spec, write_record
+    from focus_core.artifacts import ArtifactStore
+
+    store = tmp_path / "runs"
+    with pytest.raises(ValueError, match="no comparison 'headroom'.*fix: run `focus compare"):
+        value_calibration.main(["headroom", "--store", str(store)])
+    write_record(ArtifactStore(store), load_spec(Path(__file__).parents[1] / "configs/compare/headroom_step.yaml"))
+    with pytest.raises(SystemExit):
+        value_calibration.main(["headroom_step", "--store", str(store), "--method", "focus_calibrated_prior"])
+    assert "headroom_step has no focus_calibrated_prior row (fix: --method" in capsys.readouterr().err
