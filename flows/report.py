@@ -150,6 +150,23 @@ def paired_bootstrap(a: dict[tuple[int, str], float], b: dict[tuple[int, str], f
     return mean, float(low), float(high)
 
 
+def paired_seed_t(a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]) -> tuple[float, float]:
+    """95% t-interval of the mean of the per-seed differences (a − b averaged over the tasks both have in a seed).
+    The seeds alone are the unit of replication: with 3 seeds the bootstrap has only 10 distinct draws of seeds and
+    its interval is narrower than this one; a reader sees both."""
+    by_seed: dict[int, list[float]] = defaultdict(list)
+    for s, t in sorted(set(a) & set(b)):
+        by_seed[s].append(a[(s, t)] - b[(s, t)])
+    return _t_interval([float(np.mean(d)) for d in by_seed.values()])
+
+
+def _difference(a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]) -> dict[str, Any]:
+    mean, low, high = paired_bootstrap(a, b)
+    seed_low, seed_high = paired_seed_t(a, b)
+    return {"low": low, "high": high, "significant": bool(low > 0 or high < 0), "seed_low": seed_low,
+            "seed_high": seed_high, "significant_seeds": bool(seed_low > 0 or seed_high < 0), "mean": mean}
+
+
 def summarise(data: dict[str, Any]) -> dict[str, Any]:
     """Per (env, method) final success and AUC over seeds; per env FOCUS minus the best baseline, paired."""
     value_key = "heldout_success_exact" if all(r["heldout_success_exact"] is not None for r in data["iterations"]) \
@@ -179,14 +196,13 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
         if FOCUS not in rows or not baselines:
             continue
         best = max(baselines, key=lambda m: rows[m]["final"])
-        mean, low, high = paired_bootstrap(tasks[(env, FOCUS)], tasks[(env, best)])
-        versus.append({"env": env, "best_baseline": best, "focus_minus_best": mean, "low": low, "high": high,
-                       "significant": bool(low > 0 or high < 0)})
+        difference = _difference(tasks[(env, FOCUS)], tasks[(env, best)])
+        versus.append({"env": env, "best_baseline": best, "focus_minus_best": difference.pop("mean"), **difference})
         for ablation in sorted(m for m, row in rows.items() if row["base_method"] == FOCUS and m != FOCUS):
             for other in (FOCUS, best):  # what the ablated part is worth, and where the row stands
-                mean, low, high = paired_bootstrap(tasks[(env, ablation)], tasks[(env, other)])
-                ablations.append({"env": env, "method": ablation, "versus": other, "difference": mean, "low": low,
-                                  "high": high, "significant": bool(low > 0 or high < 0)})
+                difference = _difference(tasks[(env, ablation)], tasks[(env, other)])
+                ablations.append({"env": env, "method": ablation, "versus": other,
+                                  "difference": difference.pop("mean"), **difference})
     return {"value": value_key, "table": table, "focus_vs_best": versus, "ablations": ablations}
 
 
@@ -198,12 +214,23 @@ def headline(summary: dict[str, Any]) -> list[str]:
     for r in summary["table"]:
         lines.append(f"| {r['env']} | {r['method']} | {r['seeds']} | {r['final']:.3f} ({r['final_low']:.3f}–"
                      f"{r['final_high']:.3f}) | {r['auc']:.3f} | {r['tokens_per_iteration']:,.0f} |")
-    lines += ["", "| env | FOCUS − best baseline (paired, 95% CI) | best baseline |", "|---|---|---|"]
+    lines += ["", "| env | FOCUS − best baseline (paired, 95% CI) | t over seeds (95% CI) | best baseline |",
+              "|---|---|---|---|"]
     for v in summary["focus_vs_best"]:
-        star = " *" if v["significant"] else ""
-        lines.append(f"| {v['env']} | {v['focus_minus_best']:+.3f} ({v['low']:+.3f} to {v['high']:+.3f}){star} "
-                     f"| {v['best_baseline']} |")
-    return lines + ["", "\\* the interval excludes 0."]
+        lines.append(f"| {v['env']} | {v['focus_minus_best']:+.3f} {_intervals(v)} | {v['best_baseline']} |")
+    return lines + ["", SIGNIFICANCE]
+
+
+# The paired bootstrap resamples seeds, then tasks; the t-interval takes each seed's mean difference as one value.
+SIGNIFICANCE = "\\* the bootstrap interval excludes 0; † the t-interval over seeds excludes 0."
+
+
+def _intervals(v: dict[str, Any]) -> str:
+    """The bootstrap interval, then the t-interval over seeds, as two table cells (older JSONs lack the second)."""
+    star = " *" if v["significant"] else ""
+    seeds = f"{v['seed_low']:+.3f} to {v['seed_high']:+.3f}{' †' if v['significant_seeds'] else ''}" \
+        if "seed_low" in v and np.isfinite(v["seed_low"]) else "–"
+    return f"({v['low']:+.3f} to {v['high']:+.3f}){star} | {seeds}"
 
 
 def readme_block(name: str, source: str, summary: dict[str, Any], page: str = "README.md") -> str:
@@ -229,7 +256,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
     lines = [f"# Comparison `{data['name']}`", "",
              f"{len(data['runs'])} runs; the figure is the {value} of the policy after the last iteration (final) and "
              "its mean over the evaluated iterations (AUC). 95% intervals: t over seeds; the FOCUS difference is a "
-             "paired bootstrap over seeds and held-out tasks.", "", *headline(summary)]
+             "paired bootstrap over seeds and held-out tasks, and a t-interval over the seeds' mean differences.", "",
+             *headline(summary)]
     lines += ["", "| run | status | wall s | CPU s | stage compute s |", "|---|---|---|---|---|"]
     for r in data["runs"]:
         lines.append(f"| {r['run_id']} | {r['status']} | {_num(r['wall_s'])} | {_num(r['cpu_s'])} "
@@ -247,11 +275,11 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
                          + f" | {sum(kinds):,.0f} |")
     if summary.get("ablations"):
         lines += ["", "FOCUS's ablation rows against FOCUS and against the best baseline (final success, paired "
-                  "bootstrap over seeds and held-out tasks, 95% CI; * the interval excludes 0).", "",
-                  "| env | row | − | difference (95% CI) |", "|---|---|---|---|"]
+                  "bootstrap over seeds and held-out tasks, and t over the seeds' mean differences, 95% CI).", "",
+                  "| env | row | − | difference (95% CI) | t over seeds (95% CI) |", "|---|---|---|---|---|"]
         for a in summary["ablations"]:
-            lines.append(f"| {a['env']} | {a['method']} | {a['versus']} | {a['difference']:+.3f} ({a['low']:+.3f} to "
-                         f"{a['high']:+.3f}){' *' if a['significant'] else ''} |")
+            lines.append(f"| {a['env']} | {a['method']} | {a['versus']} | {a['difference']:+.3f} {_intervals(a)} |")
+        lines += ["", SIGNIFICANCE]
     diagnostics = [r for r in data["iterations"] if "critic_error_before" in r]
     if diagnostics:
         exact = any("estimated_value_error" in r for r in diagnostics)

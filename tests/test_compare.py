@@ -223,4 +223,16 @@ def test_the_report_pairs_every_focus_ablation_with_focus_and_with_the_best_base
         versus_best = rows[(env, "focus_shifted", best[env]["best_baseline"])]
         assert versus_best["difference"] == pytest.approx(best[env]["focus_minus_best"] + 0.1)
         assert (env, "grpo", "focus") not in rows  # baselines are not ablations
-    assert "| lookup_chain | focus_shifted | focus | +0.100 (+0.100 to +0.100) * |" in markdown(data, summary, [])
+    assert "| lookup_chain | focus_shifted | focus | +0.100 (+0.100 to +0.100) * | +0.100 to +0.100 † |" in markdown(
+        data, summary, [])
+
+
+def test_the_t_interval_over_seeds_takes_each_seeds_mean_difference_as_one_value():
+    from flows.report import paired_seed_t
+
+    # Per-seed mean differences 0, +0.5, -0.5 (a task only one side has is left out): mean 0, sd 0.5, so the half
+    # width is t(0.975, df 2) * 0.5 / sqrt(3) = 4.302653 * 0.288675 = 1.242069.
+    a = {(1, "x"): 1.0, (1, "y"): 0.0, (2, "x"): 1.0, (2, "y"): 1.0, (3, "x"): 0.0, (3, "y"): 0.0, (3, "z"): 1.0}
+    b = {key: 0.5 for key in a if key != (3, "z")}
+    assert paired_seed_t(a, b) == pytest.approx((-1.242069, 1.242069), abs=1e-6)
+    assert all(np.isnan(paired_seed_t({(1, "x"): 1.0}, {(1, "x"): 0.0})))  # one seed: no interval
