@@ -585,7 +585,13 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if depth == len(keys) - 1:
             target[key] = _parse_yaml(raw_value, where=f"override {override!r}")
             return
-        section_model = _section_model(model.model_fields[key].annotation)
+        annotation = model.model_fields[key].annotation
+        if _is_mapping(annotation):  # a free mapping (env.options): the rest of the path are its own keys
+            if not isinstance(target.get(key), dict):
+                target[key] = {}
+            _set_in_mapping(target[key], keys[: depth + 1], keys[depth + 1:], raw_value, override)
+            return
+        section_model = _section_model(annotation)
         if section_model is None:
             raise ConfigError(
                 f"override {override!r}: {'.'.join(keys[: depth + 1])!r} is a value, not a section"
@@ -593,6 +599,23 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if not isinstance(target.get(key), dict):
             target[key] = {}  # a missing or null section: the override creates it
         target, model = target[key], section_model
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return annotation is dict or get_origin(annotation) is dict
+
+
+def _set_in_mapping(mapping: dict[str, Any], above: list[str], keys: list[str], raw_value: str,
+                    override: str) -> None:
+    """Set ``keys`` (a path of free keys) in ``mapping``, creating the mappings on the way; its other keys stay."""
+    for depth, key in enumerate(keys[:-1]):
+        if key not in mapping or mapping[key] is None:
+            mapping[key] = {}
+        if not isinstance(mapping[key], dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(above + keys[: depth + 1])!r} is a value, "
+                              f"not a mapping")
+        mapping = mapping[key]
+    mapping[keys[-1]] = _parse_yaml(raw_value, where=f"override {override!r}")
 
 
 def _parse_yaml(text: str, *, where: str) -> Any:

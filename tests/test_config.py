@@ -144,6 +144,18 @@ def test_override_into_a_value_is_rejected():
         load_config(None, ["seed.x=1"])
 
 
+def test_override_reaches_into_a_mapping_field_keeping_its_other_keys():
+    # env.options is a free mapping (an environment's constructor arguments): one key of it is set, the file's
+    # other keys stay, and a key the file lacks is added (the environment, not the schema, checks its names).
+    cfg = load_config(CONFIGS / "combination_lock.yaml", ["env.options.horizon=12", "env.options.delay=3"])
+    assert cfg.env.options["horizon"] == 12 and cfg.env.options["delay"] == 3
+    assert cfg.env.options["n_symbols"] == 3 and cfg.env.options["train_tasks"] == 512
+    cfg = load_config(None, ["env.options.corpus.path=/data/x"])
+    assert cfg.env.options == {"corpus": {"path": "/data/x"}}
+    with pytest.raises(ConfigError, match=r"'env.options.horizon' is a value, not a mapping"):
+        load_config(CONFIGS / "combination_lock.yaml", ["env.options.horizon.x=1"])
+
+
 def test_override_value_is_parsed_as_yaml_and_bad_yaml_is_reported():
     cfg = load_config(None, ["ppo.constant_normaliser=4096", "ppo.loss_agg=constant", "ppo.clip_eps_high=.3"])
     assert cfg.ppo.constant_normaliser == 4096 and cfg.ppo.clip_eps_high == 0.3
