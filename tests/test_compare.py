@@ -103,8 +103,12 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     # MLflow: the comparison is a parent run, every training run its child.
     import mlflow
 
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
-    experiment = client.get_experiment_by_name("focus").experiment_id
+    from flows.tracking import first_use
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    with first_use(uri):  # as the product opens a store: without SQLAlchemy's notices about MLflow's own code
+        client = mlflow.MlflowClient(uri)
+        experiment = client.get_experiment_by_name("focus").experiment_id
     parent = client.search_runs([experiment], filter_string="tags.`focus.compare` = 'tiny'")
     children = client.search_runs([experiment], filter_string="tags.`focus.run_id` LIKE 'tiny-%'")
     assert len(parent) == 1 and len(children) == 4

@@ -496,7 +496,8 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
     from bench.value_calibration import env_figures
 
     figures = env_figures(store, ["exact"])
-    last_round = max(stage for _, stage, _ in store.committed("exact") if stage.startswith("fit_critic_r"))
+    last_round = max((stage for _, stage, _ in store.committed("exact") if stage.startswith("fit_critic_r")),
+                     key=lambda stage: int(stage.removeprefix("fit_critic_r")))  # by number: r10 after r9
     last = {(r["episode_id"], r["segment_idx"]): r["value"]
             for r in store.read_table("exact", 0, last_round, "values").to_pylist()}
     assert figures["all"]["states"] == len(last)
