@@ -93,6 +93,14 @@ register_method(Method(
     "PPO with a token-level value head on the policy; GAE over policy tokens, tool tokens masked",
     presets={"advantage": {"lam": 0.95}},
 ))
+# The ablation of FOCUS's branching: the same critic and advantages, the whole budget on main rollouts. It asks
+# what the continuations buy at a matched budget, and with exact_values what per-state credit is worth when it
+# costs no rollouts (docs/benchmarks.md, "What a perfect critic would buy").
+register_method(Method(
+    "focus_nobranch", "segment_td_lambda", "critic", None,
+    "FOCUS without continuations: TD(λ) over compression segments with the critic ensemble fitted on the main "
+    "rollouts' returns alone, which take GRPO's whole groups",
+))
 
 METHODS: tuple[str, ...] = tuple(METHOD_TABLE)
 

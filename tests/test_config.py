@@ -285,7 +285,7 @@ def test_sections_reject_unknown_fields_when_built_in_python():
 
 
 def test_every_method_has_a_preset():
-    assert set(METHODS) == {"focus", "vineppo", "grpo", "dr_grpo", "rloo", "ppo_gae"}
+    assert set(METHODS) == {"focus", "vineppo", "grpo", "dr_grpo", "rloo", "ppo_gae", "focus_nobranch"}
     with pytest.raises(ValueError, match="unknown method 'ppo'"):
         method_defaults("ppo")
 
@@ -323,6 +323,7 @@ def test_readme_method_table_is_the_registrys():
         ("dr_grpo", ["ppo.constant_normaliser=4096"], "dr_grpo", None, False, False, 8),
         ("rloo", [], "rloo", None, False, False, 8),
         ("ppo_gae", [], "gae", None, False, True, 8),
+        ("focus_nobranch", [], "segment_td_lambda", None, True, True, 8),
     ],
 )
 def test_method_presets(method, extra, estimator, strategy, has_critic, whiten, group):

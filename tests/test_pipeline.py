@@ -40,7 +40,8 @@ agent: {{compression: notes, max_turns: 5, max_action_tokens: 40}}
 budget: {{prompts_per_iteration: {prompts}, group_size_grpo: 4, group_size_main: 2, measure_episodes: 8}}
 ppo: {{lr: 1.0e-4, epochs: 1}}
 """
-FOCUS_EXTRA = "acquisition: {rounds: 1, chunk_size: 1}\ncritic: {steps: 10, hidden: 16}\n"
+CRITIC_EXTRA = "critic: {steps: 10, hidden: 16}\n"
+FOCUS_EXTRA = "acquisition: {rounds: 1, chunk_size: 1}\n" + CRITIC_EXTRA
 # Every stage of a one-iteration FOCUS run, in order, as "iteration:stage".
 STAGES = ["0:bootstrap", "0:evaluate", "0:rollout", "0:segment", "0:acquire_r0", "0:branch_r0", "0:fit_critic_r0",
           "0:advantage", "0:update", "1:evaluate"]
@@ -51,7 +52,7 @@ TABLES = ("rollouts", "episodes", "states", "acquisition", "branches", "values",
 def write_config(tmp_path: Path, method: str = "focus", iterations: int = 1, prompts: int = 2) -> Path:
     path = tmp_path / f"{method}.yaml"
     path.write_text(TINY.format(method=method, iterations=iterations, prompts=prompts)
-                    + (FOCUS_EXTRA if method == "focus" else ""))
+                    + {"focus": FOCUS_EXTRA, "focus_nobranch": CRITIC_EXTRA}.get(method, ""))
     return path
 
 
@@ -250,7 +251,7 @@ def test_corrupt_part_is_detected_on_resume(tmp_path):
 
 # --- every method at one budget, from one start ------------------------------------------------------
 
-METHODS = ["focus", "grpo", "dr_grpo", "rloo", "ppo_gae", "vineppo"]
+METHODS = ["focus", "grpo", "dr_grpo", "rloo", "ppo_gae", "vineppo", "focus_nobranch"]
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +296,17 @@ def test_every_method_spends_the_same_budget_from_the_same_start(shared_start, m
         assert (folder / "value_head.safetensors").is_file()
         assert table_rows(store, method, "token_advantages")
         assert all(row["value_loss"] is not None for row in table_rows(store, method, "updates"))
+    if method == "focus_nobranch":  # the critic fits on the main rollouts' returns alone, GRPO's whole groups
+        assert not any(e["is_branch"] for e in episodes)
+        assert store.manifest(method, 1, "acquire_r0").skipped
+        fit = store.manifest(method, 1, "fit_critic_r0").figures
+        assert fit["branched_states"] == 0 and fit["returns"] == 0 and fit["states"] > 0
+        groups = {}
+        for e in episodes:
+            groups.setdefault((e["iteration"], e["group_id"]), []).append(e)
+        assert {len(g) for g in groups.values()} == {4}  # group_size_grpo
+        assert all(r["critic_mean"] is not None for r in table_rows(store, method, "values")
+                   if r["iteration"] == 1)
 
 
 def test_init_from_a_missing_run_fails_in_one_line(tmp_path):
