@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from focus_core.artifacts import COMPUTE_TIMING, ArtifactStore
+from focus_core.methods import method_family
 
 FOCUS = "focus"  # the method row the report compares with the baselines
 BOOTSTRAP_RESAMPLES = 4000
@@ -192,13 +193,15 @@ def summarise(data: dict[str, Any]) -> dict[str, Any]:
     versus, ablations = [], []
     for env in sorted({row["env"] for row in table}):
         rows = {row["method"]: row for row in table if row["env"] == env}
-        baselines = [m for m, row in rows.items() if row["base_method"] not in (None, FOCUS)]
+        # A row of FOCUS's family (focus itself, its overrides, focus_nobranch) is an ablation, never a baseline.
+        family = {m: method_family(row["base_method"]) if row["base_method"] else None for m, row in rows.items()}
+        baselines = [m for m in rows if family[m] not in (None, FOCUS)]
         if FOCUS not in rows or not baselines:
             continue
         best = max(baselines, key=lambda m: rows[m]["final"])
         difference = _difference(tasks[(env, FOCUS)], tasks[(env, best)])
         versus.append({"env": env, "best_baseline": best, "focus_minus_best": difference.pop("mean"), **difference})
-        for ablation in sorted(m for m, row in rows.items() if row["base_method"] == FOCUS and m != FOCUS):
+        for ablation in sorted(m for m in rows if family[m] == FOCUS and m != FOCUS):
             for other in (FOCUS, best):  # what the ablated part is worth, and where the row stands
                 difference = _difference(tasks[(env, ablation)], tasks[(env, other)])
                 ablations.append({"env": env, "method": ablation, "versus": other,

@@ -40,6 +40,8 @@ class Method:
     strategy_fixed: bool = False  # the strategy is the method (VinePPO), not a knob
     presets: dict[str, dict[str, Any]] = field(default_factory=dict)
     requires: dict[str, Any] = field(default_factory=dict)  # "section.field" -> value the method needs
+    ablates: str | None = None  # the method this row takes a part out of: `focus report` lists it with that
+    #                             method's ablations, not among the baselines
 
     @property
     def uses_critic(self) -> bool:
@@ -100,6 +102,7 @@ register_method(Method(
     "focus_nobranch", "segment_td_lambda", "critic", None,
     "FOCUS without continuations: TD(λ) over compression segments with the critic ensemble fitted on the main "
     "rollouts' returns alone, which take GRPO's whole groups",
+    ablates="focus",
 ))
 
 METHODS: tuple[str, ...] = tuple(METHOD_TABLE)
@@ -124,6 +127,14 @@ def method_defaults(name: str) -> dict[str, dict[str, Any] | None]:
         base = sections.get(section) or {}
         sections[section] = {**base, **copy.deepcopy(settings)}
     return sections
+
+
+def method_family(name: str) -> str:
+    """The method a row belongs to in a comparison: the one it ablates, else itself."""
+    method = METHOD_TABLE.get(name)
+    if method is None or method.ablates is None:
+        return name
+    return method.ablates
 
 
 def method_table_markdown() -> str:

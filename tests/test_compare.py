@@ -231,6 +231,29 @@ def test_the_report_pairs_every_focus_ablation_with_focus_and_with_the_best_base
         data, summary, [])
 
 
+def test_a_method_that_ablates_focus_is_an_ablation_row_not_a_baseline():
+    """focus_nobranch is FOCUS without its continuations: however well it does, the report lists it with FOCUS's
+    ablations and picks the best baseline among the other methods."""
+    from flows.report import summarise
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs/results/traps/traps.json").read_text())
+    data.pop("summary")
+    best_before = {v["env"]: v["best_baseline"] for v in summarise(data)["focus_vs_best"]}
+    # FOCUS's runs relabelled as a focus_nobranch row, every final held-out value 0.5 higher: the best row of all.
+    data = {**data,
+            "tasks": data["tasks"] + [{**r, "method": "nobranch", "value": r["value"] + 0.5}
+                                      for r in data["tasks"] if r["method"] == "focus"],
+            "runs": data["runs"] + [{**r, "method": "nobranch", "base_method": "focus_nobranch"}
+                                    for r in data["runs"] if r["method"] == "focus"],
+            "iterations": data["iterations"] + [{**r, "method": "nobranch"} for r in data["iterations"]
+                                                if r["method"] == "focus"]}
+    summary = summarise(data)
+    assert {v["env"]: v["best_baseline"] for v in summary["focus_vs_best"]} == best_before
+    rows = {(a["env"], a["method"], a["versus"]) for a in summary["ablations"]}
+    for env, best in best_before.items():
+        assert {(env, "nobranch", "focus"), (env, "nobranch", best)} <= rows
+
+
 def test_the_t_interval_over_seeds_takes_each_seeds_mean_difference_as_one_value():
     from flows.report import paired_seed_t
 
