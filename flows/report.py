@@ -283,7 +283,8 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
         for a in summary["ablations"]:
             lines.append(f"| {a['env']} | {a['method']} | {a['versus']} | {a['difference']:+.3f} {_intervals(a)} |")
         lines += ["", SIGNIFICANCE]
-    diagnostics = [r for r in data["iterations"] if "critic_error_before" in r]
+    # A critic that never branches (focus_nobranch) has no error before continuations, only the one against V^π.
+    diagnostics = [r for r in data["iterations"] if "critic_error_before" in r or "estimated_value_error" in r]
     if diagnostics:
         exact = any("estimated_value_error" in r for r in diagnostics)
         lines += ["", "Critic diagnostics (mean over seeds and iterations): error on branched states before the "
@@ -297,9 +298,10 @@ def markdown(data: dict[str, Any], summary: dict[str, Any], images: Sequence[str
             groups[(r["env"], r["method"])].append(r)
         for (env, method), rows in sorted(groups.items()):
             rho = [r["score_error_spearman"] for r in rows if "score_error_spearman" in r]
-            error = np.mean([r["critic_error_before"] for r in rows])
+            before = [r["critic_error_before"] for r in rows if "critic_error_before" in r]
             versus_exact = [r["estimated_value_error"] for r in rows if "estimated_value_error" in r]
-            lines.append(f"| {env} | {method} | {error:.3f} | {f'{np.mean(rho):.3f}' if rho else '–'} |"
+            lines.append(f"| {env} | {method} | {f'{np.mean(before):.3f}' if before else '–'} | "
+                         f"{f'{np.mean(rho):.3f}' if rho else '–'} |"
                          + (f" {np.mean(versus_exact):.3f} |" if versus_exact else " – |" if exact else ""))
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in images]
     return "\n".join(lines) + "\n"

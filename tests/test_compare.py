@@ -254,6 +254,22 @@ def test_a_method_that_ablates_focus_is_an_ablation_row_not_a_baseline():
         assert {(env, "nobranch", "focus"), (env, "nobranch", best)} <= rows
 
 
+def test_the_critic_diagnostics_show_the_exact_value_error_of_a_critic_that_never_branched():
+    from flows.report import markdown, summarise
+
+    data = json.loads((Path(__file__).resolve().parents[1] / "docs/results/traps/traps.json").read_text())
+    data.pop("summary")
+    # focus_nobranch with exact_values: V̂'s error against V^π, and no error before continuations (it has none).
+    nobranch = [{key: value for key, value in r.items() if key not in ("critic_error_before", "score_error_spearman")}
+                | {"method": "nobranch", "estimated_value_error": 0.25} for r in data["iterations"]
+                if r["method"] == "focus"]
+    data = {**data, "iterations": data["iterations"] + nobranch,
+            "runs": data["runs"] + [{**r, "method": "nobranch", "base_method": "focus_nobranch"}
+                                    for r in data["runs"] if r["method"] == "focus"],
+            "tasks": data["tasks"] + [{**r, "method": "nobranch"} for r in data["tasks"] if r["method"] == "focus"]}
+    assert "| lookup_chain | nobranch | – | – | 0.250 |" in markdown(data, summarise(data), [])
+
+
 def test_the_t_interval_over_seeds_takes_each_seeds_mean_difference_as_one_value():
     from flows.report import paired_seed_t
 
