@@ -2,8 +2,9 @@
 branch → fit_critic) → advantage → update, and a final evaluation (DESIGN.md, "The seven stages").
 
 Every method is this flow with other settings: the GRPO family skips acquire/branch/fit_critic
-(each commits a manifest that records the skip), PPO+GAE trains its value head and focus_nobranch fits its
-critic without branching, VinePPO branches without a critic. All of them spend the same generated-token budget per iteration.
+(each commits a manifest that records the skip), PPO+GAE trains its value head and focus_nobranch fits
+its critic without branching, VinePPO branches without a critic. All of them spend the same generated-token
+budget per iteration.
 
 Resume is the same call with the same ``run_id``: every stage whose manifest carries the expected
 version is skipped (``tasks/stage.py``), so a killed run continues at the first stage it had not
