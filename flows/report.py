@@ -333,6 +333,9 @@ def plots(data: dict[str, Any], summary: dict[str, Any], folder: Path) -> list[s
                                   for i in its] for s in seeds], dtype=float)
                 xs = np.array([[next((r[x_key] for r in rows if r["seed"] == s and r["iteration"] == i), np.nan)
                                 for i in its] for s in seeds], dtype=float)
+                # A run still in flight has iterations not evaluated yet: those points wait, they are not empty means.
+                evaluated = np.isfinite(grid).any(0) & np.isfinite(xs).any(0)
+                grid, xs = grid[:, evaluated], xs[:, evaluated]
                 mean = np.nanmean(grid, 0)
                 ax.plot(np.nanmean(xs, 0), mean, marker="o", label=f"{method} ({len(seeds)})",
                         linewidth=2.5 if method == FOCUS else 1.2)
