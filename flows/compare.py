@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tqdm.auto import tqdm
 
 from flows.forms import CompareSettings
-from flows.logs import quiet_terminal, to_prefect
+from flows.logs import naming_run, quiet_terminal, to_prefect
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import ConfigError, config_to_dict, load_config, validate_config
 from focus_core.lease import hold
@@ -185,7 +185,7 @@ def bootstrap_run(row: dict[str, Any], store_root: str) -> str:
     store = ArtifactStore(store_root)
     if store.manifest(row["run_id"], 0, STAGE) is not None:
         return row["run_id"]
-    with hold(store, row["run_id"]):
+    with hold(store, row["run_id"]), naming_run(row["run_id"]):
         started, cpu_started = time.perf_counter(), time.process_time()
         info = store.run_info(row["run_id"])
         cfg = load_config(row["config"], row["overrides"]) if info is None else validate_config(info["config"])
@@ -208,18 +208,32 @@ def train_run(row: dict[str, Any], store_root: str) -> dict[str, Any]:
     info = store.run_info(row["run_id"])
     if info and info.get("status") == "finished":
         return {"run_id": row["run_id"], "status": "finished", "seconds": 0.0, "skipped": True}
-    if info:  # partial (or only bootstrapped): continue from its last committed stage
-        train(run_id=row["run_id"], store=store_root)
-    else:
-        init = [f"bootstrap.init_from={row['init_from']}"] if row["init_from"] else []
-        train(config_path=row["config"], overrides=[*row["overrides"], *init], run_id=row["run_id"], store=store_root)
+    with naming_run(row["run_id"]):
+        if info:  # partial (or only bootstrapped): continue from its last committed stage
+            train(run_id=row["run_id"], store=store_root)
+        else:
+            init = [f"bootstrap.init_from={row['init_from']}"] if row["init_from"] else []
+            train(config_path=row["config"], overrides=[*row["overrides"], *init], run_id=row["run_id"],
+                  store=store_root)
     return {"run_id": row["run_id"], "status": "finished", "seconds": time.perf_counter() - started, "skipped": False}
+
+
+def _not_the_closing_kill(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Worker process still alive after")
 
 
 def local_cluster(workers: int) -> DaskTaskRunner:
     """A local Dask cluster of ``workers`` processes, one thread each: one training run per core."""
+    # The cluster closes only after every worker has returned its results, so every run is committed. A worker whose
+    # interpreter is still tearing down torch and Prefect 4 s later (on a loaded machine) is killed; the nanny's
+    # warning about that ended most compares and means nothing lost. Its other warnings still print.
+    nanny = logging.getLogger("distributed.nanny")
+    if _not_the_closing_kill not in nanny.filters:
+        nanny.addFilter(_not_the_closing_kill)
+    # No progress bars in the workers (tqdm reads TQDM_DISABLE on import): several runs' bars would redraw over
+    # each other on one terminal line. The compare's own bar over the grid stays.
     return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
-                                          "dashboard_address": None})
+                                          "dashboard_address": None, "env": {"TQDM_DISABLE": "1"}})
 
 
 # From the Prefect UI (focus serve) the flow runs on a local cluster of $FOCUS_COMPARE_WORKERS (2) processes.

@@ -9,6 +9,7 @@ logger for that time, so the stage lines and warnings reach the flow run without
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Iterator
 
@@ -44,6 +45,30 @@ def quiet_terminal() -> None:
     for handler in root.handlers:
         if _ours_or_warning not in handler.filters:
             handler.addFilter(_ours_or_warning)
+
+
+_RUN_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("focus_run_id", default=None)
+
+
+def _prefix_the_run(record: logging.LogRecord) -> bool:
+    run_id = _RUN_ID.get()
+    if run_id and run_id not in record.getMessage():
+        record.msg = f"{run_id} {record.msg}"
+    return True
+
+
+@contextlib.contextmanager
+def naming_run(run_id: str) -> Iterator[None]:
+    """While the block runs, every ``focus`` line starts with ``run_id`` (unless it names it already): in a
+    ``focus compare`` worker, so that the stage lines of runs that share a terminal say whose they are."""
+    logger = logging.getLogger(FOCUS_LOGGER)
+    if _prefix_the_run not in logger.filters:  # a logger's filter runs once per record, where it is logged
+        logger.addFilter(_prefix_the_run)
+    token = _RUN_ID.set(run_id)
+    try:
+        yield
+    finally:
+        _RUN_ID.reset(token)
 
 
 @contextlib.contextmanager

@@ -105,7 +105,8 @@ def train(ctx: RunContext, policy_manifest: Manifest, reference: Manifest, seque
     # LoRA: fresh adapters each iteration, merged below; AdamW restarts with them (focus_core/lora.py).
     model = with_lora(policy.model, cfg.lora) if cfg.lora else policy.model
     first = data_parallel is None or data_parallel.rank == 0
-    with tqdm(desc=f"it {policy_manifest.iteration} update", unit="step", leave=False, disable=not first) as bar:
+    only_rank_0 = {} if first else {"disable": True}  # passed only when it disables, so TQDM_DISABLE still holds
+    with tqdm(desc=f"it {policy_manifest.iteration} update", unit="step", leave=False, **only_rank_0) as bar:
         report = policy_update(model, sequences, token_adv, cfg.ppo, reference_model=reference_model,
                                seed=seed, temperature=cfg.agent.temperature,
                                optimizer_state=None if cfg.lora else load_optimizer_state(folder), value_head=head,

@@ -66,8 +66,12 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     assert finished, "no run finished before the kill"
     before = {r: {(i, s): m.created_at for i, s, m in store.committed(r)} for r in runs}
 
-    focus("compare", str(spec), "--store", str(root), "--workers", "2", cwd=tmp_path)
+    resumed = focus("compare", str(spec), "--store", str(root), "--workers", "2", cwd=tmp_path)
     assert all(store.run_info(r)["status"] == "finished" for r in runs)
+    # Its terminal: every stage line names its run, no worker's progress bar draws, no closing kill is reported.
+    stage_lines = [line for line in resumed.stderr.splitlines() if "[it " in line]
+    assert stage_lines and all(any(f"{r} [it " in line for r in runs) for line in stage_lines)
+    assert "episode/s" not in resumed.stderr and "still alive" not in resumed.stderr
     for r in finished:  # not recomputed: every manifest is the one committed before the kill
         assert {(i, s): m.created_at for i, s, m in store.committed(r)} == before[r]
     for env in ("combination_lock", "lookup_chain"):  # one bootstrap per (env, seed), byte for byte shared
