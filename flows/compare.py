@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tqdm.auto import tqdm
 
 from flows.forms import CompareSettings
-from flows.logs import naming_run, quiet_terminal, to_prefect
+from flows.logs import naming_run, quiet_cluster_close, quiet_terminal, to_prefect
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import ConfigError, config_to_dict, load_config, validate_config
 from focus_core.lease import hold
@@ -218,18 +218,9 @@ def train_run(row: dict[str, Any], store_root: str) -> dict[str, Any]:
     return {"run_id": row["run_id"], "status": "finished", "seconds": time.perf_counter() - started, "skipped": False}
 
 
-def _not_the_closing_kill(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Worker process still alive after")
-
-
 def local_cluster(workers: int) -> DaskTaskRunner:
     """A local Dask cluster of ``workers`` processes, one thread each: one training run per core."""
-    # The cluster closes only after every worker has returned its results, so every run is committed. A worker whose
-    # interpreter is still tearing down torch and Prefect 4 s later (on a loaded machine) is killed; the nanny's
-    # warning about that ended most compares and means nothing lost. Its other warnings still print.
-    nanny = logging.getLogger("distributed.nanny")
-    if _not_the_closing_kill not in nanny.filters:
-        nanny.addFilter(_not_the_closing_kill)
+    quiet_cluster_close()
     # No progress bars in the workers (tqdm reads TQDM_DISABLE on import): several runs' bars would redraw over
     # each other on one terminal line. The compare's own bar over the grid stays.
     return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
