@@ -24,7 +24,8 @@ critic would buy at the same budget; the figure ``estimated_value_error`` is mea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from focus_core.artifacts import Manifest
 from focus_core.continuations import continuation_values, observed_returns
 from focus_core.envs.trap_tools import ExactEvaluator
 from focus_core.features import policy_context_features, with_scalar_features
+from focus_core.policy.hf import HFPolicy
 from focus_core.rollouts import segment_starts, states_table, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
@@ -54,12 +56,14 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     method = cfg.method_row
     main_states, episodes = read(ctx, segment, "states"), read(ctx, rollout, "episodes")
     states, value_of, n_continuations = main_states.select(COLUMNS), {}, 0
+    # The sampling policy, loaded at most once: continuations' features, exact values and the value head all read it.
+    sampler = cache(lambda: policy_at(ctx, policy))
     if method.values in ("critic", "monte_carlo"):
         table = read(ctx, values, "values")
         value_of = dict(zip(zip(table.column("episode_id").to_pylist(), table.column("segment_idx").to_pylist(),
                                 strict=True), table.column("value").to_pylist(), strict=True))
         if cfg.ppo.train_on_continuations:
-            more, more_episodes, more_values = _continuations(ctx, main_states, episodes, table, values, policy,
+            more, more_episodes, more_values = _continuations(ctx, main_states, episodes, table, values, sampler,
                                                               branches)
             n_continuations = more.num_rows
             value_of |= more_values
@@ -86,11 +90,11 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
         batch["values"] = np.array([value_of[key] for key in zip(episode, segment_idx, strict=True)])
         if cfg.exact_values:
             estimated = batch["values"]
-            batch["values"] = _exact_values(ctx, states, rollout, policy, branches)
+            batch["values"] = _exact_values(ctx, states, rollout, sampler, branches)
             exact_figures = {"estimated_value_error": float(np.mean(np.abs(estimated - batch["values"])))}
     elif method.values == "value_head":
         sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=ids)
-        model = policy_at(ctx, policy)
+        model = sampler()
         head = load_value_head(ctx, policy, model)
         batch["token_values"] = token_values(model.model, head, sequences)
         batch["token_masks"] = [s.loss_mask for s in sequences]
@@ -121,7 +125,7 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
 
 
 def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Table, value_table: pa.Table,
-                   values: Manifest, policy: Manifest, branches: Sequence[Manifest]
+                   values: Manifest, sampler: Callable[[], HFPolicy], branches: Sequence[Manifest]
                    ) -> tuple[pa.Table, pa.Table, dict[tuple[str, int], float]]:
     """The continuations' states and episodes (every branch round), and V̂ at each of their segment starts."""
     parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
@@ -154,7 +158,7 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
         if CRITIC_FOLDER not in values.files:
             raise ValueError(f"advantage: {values.stage} has no critic checkpoint for the continuations' states")
         contexts = states.column("context_token_ids").take(pa.array(rest)).to_pylist()
-        features = with_scalar_features(policy_context_features(policy_at(ctx, policy).model, contexts),
+        features = with_scalar_features(policy_context_features(sampler().model, contexts),
                                         segment_idx[rest].astype(np.float32))
         # From the fold critic that saw neither this continuation's return nor any other of its task's.
         task = np.array(episodes.column("task_id").to_pylist(), dtype=object)[[row[e] for e in episode[rest]]]
@@ -169,7 +173,7 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
     return states, episodes, dict(zip(zip(episode, segment_idx.tolist(), strict=True), value.tolist(), strict=True))
 
 
-def _exact_values(ctx: RunContext, states: pa.Table, rollout: Manifest, policy: Manifest,
+def _exact_values(ctx: RunContext, states: pa.Table, rollout: Manifest, sampler: Callable[[], HFPolicy],
                   branches: Sequence[Manifest]) -> np.ndarray:
     """``exact_values``: V^π of the policy that sampled the iteration at each state (trap environments only)."""
     env = env_factory(ctx)()
@@ -181,7 +185,7 @@ def _exact_values(ctx: RunContext, states: pa.Table, rollout: Manifest, policy: 
                             rollouts=pa.concat_tables([read(ctx, m, "rollouts") for m in parts]),
                             episodes=pa.concat_tables([read(ctx, m, "episodes") for m in parts]),
                             tasks_by_id={t.task_id: t for t in tasks(ctx, "train")}, system_prompt=env.system_prompt())
-    evaluator = ExactEvaluator(policy_at(ctx, policy), env, ctx.config.agent)
+    evaluator = ExactEvaluator(sampler(), env, ctx.config.agent)
     return evaluator.values_at([(start.task, start.calls, start.turn_idx) for start in starts])
 
 

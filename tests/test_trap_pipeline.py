@@ -449,7 +449,7 @@ def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success
 
 
 @pytest.mark.slow
-def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_stage(tmp_path: Path):
+def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_stage(tmp_path: Path, monkeypatch):
     """``exact_values: true`` (the perfect-critic diagnostic): the advantages' V is V^π of the policy that sampled."""
     from focus_core.artifacts import ArtifactStore
     from focus_core.policy.models import load_policy
@@ -503,3 +503,26 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
     assert figures["all"]["states"] == len(last)
     assert figures["all"]["ensemble_mae"] == pytest.approx(np.mean([abs(v - advantages[k]) for k, v in last.items()]))
     assert 0.0 <= figures["all"]["calibrated_mae"] <= 1.0 and figures["scale_min"] >= 1.0
+    # The stage again in this process, on the committed inputs of iteration 0: the same table, and the sampling
+    # policy loaded once for the continuations' features and the exact values both (it was loaded twice).
+    import tempfile
+
+    import tasks.advantage
+    from focus_core.config import validate_config
+    from tasks.stage import RunContext
+
+    ctx = RunContext(store, "exact", validate_config(store.run_info("exact")["config"]))
+    first = [stage for iteration, stage, _ in store.committed("exact") if iteration == 0]
+    by_round = lambda prefix: sorted((s for s in first if s.startswith(prefix)),  # noqa: E731
+                                     key=lambda s: int(s.removeprefix(prefix)))
+    branches = [store.manifest("exact", 0, stage) for stage in by_round("branch_r")]
+    loads = []
+    real_policy_at = tasks.advantage.policy_at
+    monkeypatch.setattr(tasks.advantage, "policy_at", lambda *a: loads.append(a) or real_policy_at(*a))
+    with tempfile.TemporaryDirectory() as scratch:
+        again = tasks.advantage.compute(ctx, store.manifest("exact", 0, "segment"),
+                                        store.manifest("exact", 0, by_round("fit_critic_r")[-1]),
+                                        store.manifest("exact", 0, "rollout"),
+                                        store.manifest("exact", 0, "bootstrap"), Path(scratch), branches)
+    assert len(loads) == 1
+    assert again.tables["advantages"].to_pylist() == store.read_table("exact", 0, "advantage", "advantages").to_pylist()
