@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from distributed.diagnostics.plugin import WorkerPlugin
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from tqdm.auto import tqdm
 
 from flows.forms import CompareSettings
-from flows.logs import naming_run, quiet_cluster_close, quiet_terminal, to_prefect
+from flows.logs import FOCUS_LOGGER, naming_run, quiet_cluster_close, quiet_terminal, to_prefect
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import ConfigError, config_to_dict, load_config, validate_config
 from focus_core.lease import hold
@@ -218,6 +220,28 @@ def train_run(row: dict[str, Any], store_root: str) -> dict[str, Any]:
     return {"run_id": row["run_id"], "status": "finished", "seconds": time.perf_counter() - started, "skipped": False}
 
 
+class _FocusLinesOnTheClient(WorkerPlugin):
+    """A Dask worker plugin: the worker's ``focus`` lines stop at its own logger (no print on its terminal); the
+    client prints the forwarded copies (``lines_to_the_client``)."""
+
+    name = "focus-lines-on-the-client"
+
+    def setup(self, worker: Any) -> None:
+        logging.getLogger(FOCUS_LOGGER).propagate = False
+
+    def teardown(self, worker: Any) -> None:
+        logging.getLogger(FOCUS_LOGGER).propagate = True
+
+
+def lines_to_the_client(client: Any) -> None:
+    """For ``focus compare`` on a Dask cluster: every worker's ``focus`` lines (INFO and up) are printed by this
+    process, above its progress bar over the grid. Printed by the workers themselves, they landed after the bar's
+    unfinished line, and the bar's next redraw wrote over them; on a remote cluster they were not seen at all.
+    Each stays in its own flow run's logs, sent from its worker (``to_prefect``)."""
+    client.forward_logging(FOCUS_LOGGER, logging.INFO)
+    client.register_plugin(_FocusLinesOnTheClient())
+
+
 def local_cluster(workers: int) -> DaskTaskRunner:
     """A local Dask cluster of ``workers`` processes, one thread each: one training run per core."""
     quiet_cluster_close()
@@ -250,6 +274,9 @@ def _compare(spec_path: str, store: str | None, envs: list[str] | None) -> str:
     check_existing(artifacts, rows)
     status = "finished" if envs is None or set(spec.envs) <= set(envs) else "partial"
     write_record(artifacts, spec, status="running", spec_path=str(spec_path))
+    runner = FlowRunContext.get().task_runner
+    if isinstance(runner, DaskTaskRunner):
+        lines_to_the_client(runner.client)
     firsts = [r for r in rows if r["init_from"] is None]
     boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
     futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]

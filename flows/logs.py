@@ -2,8 +2,9 @@
 inside a flow run, that run's logs in Prefect (the Logs tab of the UI).
 
 ``quiet_terminal`` is called once per process that runs FOCUS code: the CLI and each Dask worker of
-``focus compare``. ``to_prefect`` wraps a flow's body: Prefect's API log handler is attached to the ``focus``
-logger for that time, so the stage lines and warnings reach the flow run without Prefect printing them twice.
+``focus compare`` (whose lines the CLI's process prints: ``flows.compare.lines_to_the_client``). ``to_prefect``
+wraps a flow's body: Prefect's API log handler is attached to the ``focus`` logger for that time, so the stage
+lines and warnings reach the flow run without Prefect printing them twice.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 from collections.abc import Iterator
 
 FOCUS_LOGGER = "focus"
@@ -35,14 +37,15 @@ class AboveTheBars(logging.StreamHandler):
 
 def quiet_terminal() -> None:
     """FOCUS's lines at INFO on stderr; every library (httpx, mlflow, bm25s — which sets its logger to DEBUG on
-    import) only from WARNING, filtered at the handlers so that no later import can undo it."""
+    import) only from WARNING, filtered at the handlers so that no later import can undo it. One format, the
+    CLI's, also where Prefect's console handler came first (a ``focus compare`` worker): its lines and the CLI's
+    share one terminal."""
     root = logging.getLogger()
     if not root.handlers:
-        handler = AboveTheBars()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
-        root.addHandler(handler)
+        root.addHandler(AboveTheBars())
     root.setLevel(logging.INFO)
     for handler in root.handlers:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S"))
         if _ours_or_warning not in handler.filters:
             handler.addFilter(_ours_or_warning)
 
@@ -58,6 +61,10 @@ def quiet_cluster_close() -> None:
     nanny = logging.getLogger("distributed.nanny")
     if _not_the_closing_kill not in nanny.filters:
         nanny.addFilter(_not_the_closing_kill)
+
+
+def _from_this_process(record: logging.LogRecord) -> bool:
+    return record.process == os.getpid()
 
 
 _RUN_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("focus_run_id", default=None)
@@ -96,6 +103,7 @@ def to_prefect() -> Iterator[None]:
     handler = APILogHandler()
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(message)s"))
+    handler.addFilter(_from_this_process)  # a worker's forwarded lines: its own flow run has them already
     logger.addHandler(handler)
     level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:  # e.g. in a Prefect worker, whose root logs at WARNING

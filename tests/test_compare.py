@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -37,6 +38,22 @@ def _spec(tmp_path: Path) -> Path:
     spec = tmp_path / "tiny.yaml"
     spec.write_text(SPEC.format(lock=tmp_path / "combination_lock.yaml", chain=tmp_path / "lookup_chain.yaml"))
     return spec
+
+
+# Stage lines ("[it N] rollout") in the Prefect logs of each flow (the runs' database under PREFECT_HOME).
+PREFECT_LOGS_BY_FLOW = """
+import json
+from prefect.client.orchestration import get_client
+with get_client(sync_client=True) as client:
+    flows = {f.id: f.name for f in client.read_flows()}
+    flow_of = {r.id: flows[r.flow_id] for r in client.read_flow_runs(limit=200)}
+    logs, more = [], True
+    while more:
+        more = client.read_logs(limit=200, offset=len(logs))
+        logs += more
+    stage = [flow_of.get(log.flow_run_id) for log in logs if "] rollout" in log.message]
+    print(json.dumps({name: stage.count(name) for name in ("focus-train", "focus-compare")}))
+"""
 
 
 def _environ(tmp_path: Path) -> dict[str, str]:
@@ -71,7 +88,14 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     # Its terminal: every stage line names its run, no worker's progress bar draws, no closing kill is reported.
     stage_lines = [line for line in resumed.stderr.splitlines() if "[it " in line]
     assert stage_lines and all(any(f"{r} [it " in line for r in runs) for line in stage_lines)
+    assert not [line for line in stage_lines if not re.match(r"\d\d:\d\d:\d\d \S+ \[it ", line)]  # the CLI's format
     assert "episode/s" not in resumed.stderr and "still alive" not in resumed.stderr
+    # The workers' lines print in the CLI's process (above its bar); in Prefect each is in its own run's logs only.
+    logs = subprocess.run([sys.executable, "-c", PREFECT_LOGS_BY_FLOW], env=_environ(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert logs.returncode == 0, logs.stderr
+    by_flow = json.loads(logs.stdout)
+    assert by_flow["focus-train"] and not by_flow["focus-compare"]
     for r in finished:  # not recomputed: every manifest is the one committed before the kill
         assert {(i, s): m.created_at for i, s, m in store.committed(r)} == before[r]
     for env in ("combination_lock", "lookup_chain"):  # one bootstrap per (env, seed), byte for byte shared

@@ -3,6 +3,7 @@ has set up its logging, which runs on import and replaces a root handler it does
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -48,8 +49,11 @@ nanny.warning("NANNY-OTHER-WARNING")
 def test_in_a_compare_worker_each_focus_line_names_its_run_and_no_progress_bar_draws():
     # Two runs share a compare's terminal: a bare "[it 0] rollout …" does not say whose it is, and two workers'
     # progress bars redraw over each other on one line.
+    # A worker's root logger has Prefect's console handler before FOCUS sets up its terminal; its lines then came
+    # in Prefect's format ("04:10:31.785 | INFO    | focus - …") beside the CLI's ("04:10:31 …").
     script = """
 import logging
+import flows.compare  # a worker has imported the task's module, and Prefect has set up its logging
 from flows.logs import naming_run, quiet_terminal
 quiet_terminal()
 from flows.compare import local_cluster
@@ -62,7 +66,8 @@ print(local_cluster(2).cluster_kwargs["env"])
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "tiny-legal-grpo-s5 [it 0] rollout" in done.stderr
+    assert re.search(r"^\d\d:\d\d:\d\d tiny-legal-grpo-s5 \[it 0\] rollout", done.stderr, re.MULTILINE)
+    assert "| INFO" not in done.stderr
     assert "tiny-legal-grpo-s5 run tiny-legal-grpo-s5" not in done.stderr  # a line that names it already
     assert "tiny-legal-grpo-s5 AFTER-THE-RUN" not in done.stderr and "AFTER-THE-RUN" in done.stderr
     assert "'TQDM_DISABLE': '1'" in done.stdout
