@@ -20,10 +20,12 @@ training run its child (tag ``mlflow.parentRunId``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,13 +235,20 @@ class _FocusLinesOnTheClient(WorkerPlugin):
         logging.getLogger(FOCUS_LOGGER).propagate = True
 
 
-def lines_to_the_client(client: Any) -> None:
-    """For ``focus compare`` on a Dask cluster: every worker's ``focus`` lines (INFO and up) are printed by this
-    process, above its progress bar over the grid. Printed by the workers themselves, they landed after the bar's
-    unfinished line, and the bar's next redraw wrote over them; on a remote cluster they were not seen at all.
-    Each stays in its own flow run's logs, sent from its worker (``to_prefect``)."""
+@contextlib.contextmanager
+def lines_to_the_client(client: Any) -> Iterator[None]:
+    """For ``focus compare`` on a Dask cluster: while the block runs, every worker's ``focus`` lines (INFO and up)
+    are printed by this process, above its progress bar over the grid. Printed by the workers themselves, they
+    landed after the bar's unfinished line, and the bar's next redraw wrote over them; on a remote cluster they
+    were not seen at all. Each stays in its own flow run's logs, sent from its worker (``to_prefect``). After the
+    block the workers print their own lines again (a cluster given by address outlives the comparison)."""
     client.forward_logging(FOCUS_LOGGER, logging.INFO)
     client.register_plugin(_FocusLinesOnTheClient())
+    try:
+        yield
+    finally:
+        client.unregister_worker_plugin(_FocusLinesOnTheClient.name)
+        client.unforward_logging(FOCUS_LOGGER)
 
 
 def local_cluster(workers: int) -> DaskTaskRunner:
@@ -275,24 +284,23 @@ def _compare(spec_path: str, store: str | None, envs: list[str] | None) -> str:
     status = "finished" if envs is None or set(spec.envs) <= set(envs) else "partial"
     write_record(artifacts, spec, status="running", spec_path=str(spec_path))
     runner = FlowRunContext.get().task_runner
-    if isinstance(runner, DaskTaskRunner):
-        lines_to_the_client(runner.client)
-    firsts = [r for r in rows if r["init_from"] is None]
-    boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
-    futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]
     results = []
-    with tqdm(total=len(futures), desc=f"compare {spec.name}", unit="run") as bar:
-        pending = dict(enumerate(futures))
-        while pending:
-            for k, future in list(pending.items()):
-                if future.state.is_final():
-                    result = future.result()
-                    results.append(result)
-                    bar.update(1)
-                    what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
-                    log.info("compare %s: %s %s (%d/%d)", spec.name, result["run_id"], what, bar.n, len(futures))
-                    del pending[k]
-            time.sleep(0.5)
+    with lines_to_the_client(runner.client) if isinstance(runner, DaskTaskRunner) else contextlib.nullcontext():
+        firsts = [r for r in rows if r["init_from"] is None]
+        boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
+        futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]
+        with tqdm(total=len(futures), desc=f"compare {spec.name}", unit="run") as bar:
+            pending = dict(enumerate(futures))
+            while pending:
+                for k, future in list(pending.items()):
+                    if future.state.is_final():
+                        result = future.result()
+                        results.append(result)
+                        bar.update(1)
+                        what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
+                        log.info("compare %s: %s %s (%d/%d)", spec.name, result["run_id"], what, bar.n, len(futures))
+                        del pending[k]
+                time.sleep(0.5)
     write_record(artifacts, spec, status=status, results=results)
     return spec.name
 

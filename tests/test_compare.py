@@ -148,6 +148,31 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     assert "focus" in sql.stdout and "grpo" in sql.stdout
 
 
+@pytest.mark.slow
+def test_compare_on_an_existing_dask_cluster_prints_its_workers_lines_and_leaves_the_workers_as_they_were(tmp_path):
+    """``--dask ADDRESS``: a cluster the comparison does not own. Its workers' stage lines print in the CLI's
+    process (its workers' own stderr is another machine's in practice), and after the comparison they log as before
+    (the forwarding ends with it)."""
+    import logging
+
+    from distributed import Client, LocalCluster
+
+    spec, root = _spec(tmp_path), tmp_path / "runs"
+    worker_env = {key: value for key, value in _environ(tmp_path).items()
+                  if key in ("PREFECT_HOME", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI")}
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
+                      env=worker_env) as cluster, Client(cluster) as client:
+        done = focus("compare", str(spec), "--store", str(root), "--dask", cluster.scheduler_address,
+                     "--env", "combination_lock", cwd=tmp_path)
+        propagates = client.run(lambda: logging.getLogger("focus").propagate)
+    store = ArtifactStore(root)
+    runs = [f"tiny-combination_lock-{method}-s5" for method in ("focus", "grpo")]
+    assert all(store.run_info(r)["status"] == "finished" for r in runs)
+    for r in runs:
+        assert re.search(rf"^\d\d:\d\d:\d\d {r} \[it 0\] update ", done.stderr, re.MULTILINE), done.stderr
+    assert list(propagates.values()) == [True]
+
+
 def test_a_spec_with_a_bad_run_config_fails_before_anything_runs(tmp_path):
     from flows.compare import load_spec
 
