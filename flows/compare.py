@@ -284,25 +284,31 @@ def _compare(spec_path: str, store: str | None, envs: list[str] | None) -> str:
     status = "finished" if envs is None or set(spec.envs) <= set(envs) else "partial"
     write_record(artifacts, spec, status="running", spec_path=str(spec_path))
     runner = FlowRunContext.get().task_runner
-    results = []
     with lines_to_the_client(runner.client) if isinstance(runner, DaskTaskRunner) else contextlib.nullcontext():
         firsts = [r for r in rows if r["init_from"] is None]
         boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
         futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]
-        with tqdm(total=len(futures), desc=f"compare {spec.name}", unit="run") as bar:
-            pending = dict(enumerate(futures))
-            while pending:
-                for k, future in list(pending.items()):
-                    if future.state.is_final():
-                        result = future.result()
-                        results.append(result)
-                        bar.update(1)
-                        what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
-                        log.info("compare %s: %s %s (%d/%d)", spec.name, result["run_id"], what, bar.n, len(futures))
-                        del pending[k]
-                time.sleep(0.5)
+        results = _as_they_finish(futures, spec.name)
     write_record(artifacts, spec, status=status, results=results)
     return spec.name
+
+
+def _as_they_finish(futures: list[Any], name: str) -> list[dict[str, Any]]:
+    """Each run's result as it finishes: a line per run and a progress bar over the grid."""
+    results = []
+    with tqdm(total=len(futures), desc=f"compare {name}", unit="run") as bar:
+        pending = dict(enumerate(futures))
+        while pending:
+            for k, future in list(pending.items()):
+                if future.state.is_final():
+                    result = future.result()
+                    results.append(result)
+                    bar.update(1)
+                    what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
+                    log.info("compare %s: %s %s (%d/%d)", name, result["run_id"], what, bar.n, len(futures))
+                    del pending[k]
+            time.sleep(0.5)
+    return results
 
 
 def run_compare(spec_path: str, store: str | None = None, workers: int = 2, dask_address: str | None = None,

@@ -512,16 +512,15 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
     from tasks.stage import RunContext
 
     ctx = RunContext(store, "exact", validate_config(store.run_info("exact")["config"]))
-    first = [stage for iteration, stage, _ in store.committed("exact") if iteration == 0]
-    by_round = lambda prefix: sorted((s for s in first if s.startswith(prefix)),  # noqa: E731
-                                     key=lambda s: int(s.removeprefix(prefix)))
-    branches = [store.manifest("exact", 0, stage) for stage in by_round("branch_r")]
+    rounds = sorted((stage for _, stage, _ in store.committed("exact") if stage.startswith("branch_r")),
+                    key=lambda stage: int(stage.removeprefix("branch_r")))  # one iteration: all are iteration 0's
+    branches = [store.manifest("exact", 0, stage) for stage in rounds]
     loads = []
     real_policy_at = tasks.advantage.policy_at
     monkeypatch.setattr(tasks.advantage, "policy_at", lambda *a: loads.append(a) or real_policy_at(*a))
     with tempfile.TemporaryDirectory() as scratch:
         again = tasks.advantage.compute(ctx, store.manifest("exact", 0, "segment"),
-                                        store.manifest("exact", 0, by_round("fit_critic_r")[-1]),
+                                        store.manifest("exact", 0, last_round),
                                         store.manifest("exact", 0, "rollout"),
                                         store.manifest("exact", 0, "bootstrap"), Path(scratch), branches)
     assert len(loads) == 1
