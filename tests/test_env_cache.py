@@ -41,3 +41,43 @@ def test_an_unreadable_cache_is_regenerated_and_a_read_only_one_costs_only_time(
     monkeypatch.setenv("FOCUS_DATA_DIR", str(tmp_path / "file"))
     (tmp_path / "file").write_text("a file where the data dir should be")
     assert cached_tasks("x", "default", ("v1",), lambda: _tasks(1)) == _tasks(1)
+
+
+# Two processes that want the same tasks at once (pytest -n 2, `focus compare --workers 2`, rollout workers): each
+# waits on a barrier of files so that both ask before either has written, then reads or generates. The generator
+# logs each call to a file shared by both and takes long enough that the second asks while the first generates.
+_RACE = """
+import sys, time
+from pathlib import Path
+from focus_core.envs.base import Task, cached_tasks
+
+shared, me = Path(sys.argv[1]), sys.argv[2]
+(shared / f"ready-{me}").touch()
+while len(list(shared.glob("ready-*"))) < 2:
+    time.sleep(0.01)
+
+def generate():
+    with open(shared / "generations", "a") as log:
+        log.write(me + "\\n")
+    time.sleep(1.5)
+    return [Task("t0", "x", "train", "default", "p", "a", "k", {"n": 0})]
+
+print(len(cached_tasks("x", "default", ("v1",), generate)))
+"""
+
+
+def test_two_processes_asking_at_once_generate_the_tasks_once(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "race.py"
+    script.write_text(_RACE)
+    env = {**os.environ, "FOCUS_DATA_DIR": str(tmp_path / "data")}
+    racers = [subprocess.Popen([sys.executable, str(script), str(tmp_path), name], env=env, stdout=subprocess.PIPE,
+                               text=True) for name in ("a", "b")]
+    outputs = [racer.communicate(timeout=60)[0] for racer in racers]
+    assert [racer.returncode for racer in racers] == [0, 0]
+    assert outputs == ["1\n", "1\n"]  # both got the tasks
+    assert len((tmp_path / "generations").read_text().split()) == 1  # one of them generated, the other read
+    assert not list((tmp_path / "data" / "x").glob("*.tmp"))

@@ -44,8 +44,8 @@ def full() -> cl.CodeLocalizationEnv:
     return cl.CodeLocalizationEnv()
 
 
-# The full tier's first generation takes minutes and is cached on disk with no lock between processes: its tests
-# share one xdist worker (`--dist loadgroup`), or both workers would generate it at once.
+# The full tier's first generation takes minutes. Processes that ask at once generate it once (the cache's lock), but
+# the others wait for it: its tests share one xdist worker (`--dist loadgroup`), so the other worker runs other tests.
 FULL_TIER = pytest.mark.xdist_group("code_localization_full_tier")
 
 

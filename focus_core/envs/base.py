@@ -30,7 +30,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -78,25 +78,52 @@ def data_dir() -> Path:
 def cached_tasks(env: str, tier: str, key: Sequence[object], generate: Callable[[], list[Task]]) -> list[Task]:
     """``generate()``'s tasks, kept on disk under ``data_dir()/env``. ``key`` holds everything they derive from
     (a generator's version and source, its data's hash), so a changed generator never reads a stale file. An
-    unreadable file is regenerated; a read-only data dir only costs the generation time."""
+    unreadable file is regenerated; a read-only data dir only costs the generation time. Processes that ask at
+    once (``pytest -n 2``, ``focus compare --workers 2``) generate once: the others wait and read the file."""
     digest = hashlib.sha256()
     for part in key:
         digest.update(hashlib.sha256(part if isinstance(part, bytes) else str(part).encode()).digest())
     path = data_dir() / env / f"tasks-{tier}-{digest.hexdigest()[:16]}.json"
+    tasks = _read_tasks(path)
+    if tasks is not None:
+        return tasks
+    with _generating(path):
+        tasks = _read_tasks(path)  # written by the process this one waited for
+        if tasks is not None:
+            return tasks
+        tasks = generate()
+        temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            temp.write_text(json.dumps([asdict(t) for t in tasks], ensure_ascii=False), encoding="utf-8")
+            os.replace(temp, path)  # atomic: a reader sees no file or the whole one
+        except OSError:
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+    return tasks
+
+
+def _read_tasks(path: Path) -> list[Task] | None:
     try:
         return [Task(**row) for row in json.loads(path.read_text(encoding="utf-8"))]
     except (OSError, ValueError, TypeError):
-        pass
-    tasks = generate()
-    temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        return None
+
+
+@contextlib.contextmanager
+def _generating(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``<path>.lock`` while one process generates ``path``'s tasks (released with the file,
+    also when the process dies). Where no lock file can be made (a read-only data dir) every process generates."""
+    import fcntl
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp.write_text(json.dumps([asdict(t) for t in tasks], ensure_ascii=False), encoding="utf-8")
-        os.replace(temp, path)  # atomic: a reader sees no file or the whole one
+        handle = open(path.with_name(f"{path.name}.lock"), "a")  # noqa: SIM115 - closed below
     except OSError:
-        with contextlib.suppress(OSError):
-            temp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
-    return tasks
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 class ToolEnv(abc.ABC):
