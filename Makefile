@@ -31,7 +31,8 @@ setup: $(VENV)/.installed
 run: setup
 	OMP_NUM_THREADS=1 $(BIN)/focus train
 
-# What CI runs (.ci/run): lint, then every test, on both cores.
+# What CI runs (.ci/run): lint, then every test, on both cores; loadgroup hands each worker one test at a time,
+# in tests/conftest.py's order (slow first, late last).
 test: setup
 	$(BIN)/ruff check .
 	OMP_NUM_THREADS=1 $(BIN)/pytest -n 2 --dist loadgroup -q -m "not vllm"

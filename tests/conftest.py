@@ -18,11 +18,20 @@ _OVERRIDING_AWS_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PR
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The slow tests first. `make test` runs `pytest -n 2 --dist loadgroup`, which hands each worker one test at
-    a time as it frees up, in this order: the long tests (minutes each) start side by side on both workers and the
-    many short ones fill in after, instead of one long test running alone at the end while the other worker idles.
-    Tests that must share a worker (one expensive cache, built once) carry ``pytest.mark.xdist_group``."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: collection order otherwise
+    """The slow tests first, the ``late`` ones last. `make test` runs `pytest -n 2 --dist loadgroup`, which hands each
+    worker one test at a time as it frees up, in this order: the long tests (minutes each) start side by side on both
+    workers and the many short ones fill in after, instead of one long test running alone at the end while the other
+    worker idles. A ``late`` test reads a cache that a slow test builds (the full code-localization tier): at the end
+    it finds it built, where beside the builder on the other worker it would wait minutes on the cache's lock.
+    (pytest-xdist's ``xdist_group`` would put such tests on one worker, but under pytest 9.2 it groups nothing: xdist
+    3.8 renames the test through an attribute pytest no longer reads. With no groups, loadgroup schedules per test.)"""
+
+    def place(item: pytest.Item) -> int:
+        if item.get_closest_marker("late"):
+            return 2
+        return 0 if item.get_closest_marker("slow") else 1
+
+    items.sort(key=place)  # stable: collection order otherwise
 
 
 @pytest.fixture(scope="session")

@@ -44,9 +44,10 @@ def full() -> cl.CodeLocalizationEnv:
     return cl.CodeLocalizationEnv()
 
 
-# The full tier's first generation takes minutes. Processes that ask at once generate it once (the cache's lock), but
-# the others wait for it: its tests share one xdist worker (`--dist loadgroup`), so the other worker runs other tests.
-FULL_TIER = pytest.mark.xdist_group("code_localization_full_tier")
+# The full tier's first generation takes minutes (processes that ask at once generate it once, on the cache's lock).
+# One slow test generates it early in the run; the others are `late` (tests/conftest.py): they read it at the end of
+# the run instead of waiting for it on the other worker. Run alone, each of them generates it.
+READS_FULL_TIER = pytest.mark.late
 
 
 def test_registered():
@@ -149,7 +150,6 @@ def test_quick_split_is_by_module(quick):
 
 
 @pytest.mark.slow
-@FULL_TIER
 def test_full_default_tier_counts_and_disjoint_splits(full):
     train, heldout = full.tasks("train"), full.tasks("heldout")
     assert len(train) >= 500 and len(heldout) >= 100
@@ -159,7 +159,7 @@ def test_full_default_tier_counts_and_disjoint_splits(full):
 
 
 @pytest.mark.slow
-@FULL_TIER
+@READS_FULL_TIER
 def test_full_expert_solves_heldout_and_random_fails(full):
     heldout = full.tasks("heldout")
     sample = random.Random(0).sample(heldout, 100)
@@ -382,7 +382,7 @@ def test_default_tier_tasks_are_crash_bugs_on_the_traceback_path(quick):
 
 
 @pytest.mark.slow
-@FULL_TIER
+@READS_FULL_TIER
 def test_default_tier_keeps_each_mutant_of_a_function_as_a_task(full):
     """Each mutant of a function puts the bug on another line: the default tier counts them as tasks, up to
     Tier.tasks_per_function per function; the text tier takes one test per function and mutant."""
