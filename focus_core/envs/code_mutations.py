@@ -19,7 +19,9 @@ pure-Python modules that have their own ``test.test_<module>``. For each module 
 Records are cached per module and scope under ``$FOCUS_DATA_DIR/code_localization/raw-v<version>-<python>/``,
 written atomically. Pre-generate with ``python -m focus_core.envs.code_mutations`` (scope "named", what the
 default tier needs: about 5.5 minutes on 2 cores) or ``--scope all`` (the hard tier: every covered function).
-A mutant that hangs is killed at its timeout and dropped, so a much slower machine may keep slightly fewer.
+A mutant that hangs is killed at its timeout and dropped, and the covering tests are filtered and ordered by
+their measured durations, so a machine's load can change a few records and the failing tests others list
+(measured in docs/environments.md: a few tasks of the default tier change).
 Nothing here knows about tiers or splits; the environment module turns records into tasks.
 """
 
