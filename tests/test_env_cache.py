@@ -81,3 +81,19 @@ def test_two_processes_asking_at_once_generate_the_tasks_once(tmp_path):
     assert outputs == ["1\n", "1\n"]  # both got the tasks
     assert len((tmp_path / "generations").read_text().split()) == 1  # one of them generated, the other read
     assert not list((tmp_path / "data" / "x").glob("*.tmp"))
+
+
+def test_a_generators_error_comes_out_as_its_own(tmp_path, monkeypatch):
+    """Where no lock can be made (a file where the data dir should be), a failing generator's error is the one
+    raised, not one 'raised while handling' the lock's OSError."""
+    import pytest
+
+    monkeypatch.setenv("FOCUS_DATA_DIR", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("a file where the data dir should be")
+
+    def generate():
+        raise RuntimeError("the generator's own error")
+
+    with pytest.raises(RuntimeError, match="own error") as raised:
+        cached_tasks("x", "default", ("v1",), generate)
+    assert raised.value.__context__ is None

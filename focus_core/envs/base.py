@@ -119,10 +119,10 @@ def _generating(path: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path.with_name(f"{path.name}.lock"), "a")  # noqa: SIM115 - closed below
     except OSError:
-        yield
-        return
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle = None  # (not yielding in here: a generator's error would print as raised while handling this one)
+    with handle or contextlib.nullcontext():
+        if handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
         yield
 
 
