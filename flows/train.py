@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 from datetime import UTC, datetime
 
@@ -43,6 +44,30 @@ from tasks.update import update
 
 DEFAULT_STORE = "runs"  # a local folder, relative to where `focus` runs; FOCUS_STORE overrides it
 log = logging.getLogger("focus")
+
+
+def temporary_api_on_a_port_the_os_gives() -> None:
+    """Where no PREFECT_API_URL is set, Prefect starts a temporary API server for the process on first use, on a
+    port it draws at random from 8000-8999 and finds free. Two processes starting at once can draw the same port;
+    the one whose server then fails to bind finds the other's server answering and uses it, and when that process
+    ends, its flow fails with "Connection refused" (seen in CI: two `focus train` started together, one's flow run
+    in the other's database). Here the kernel picks the port (bind to port 0: one not in use, from its ~28,000
+    ephemeral ports) and Prefect's server for this process is registered on it, as Prefect's own test harness
+    does; should it be taken after all, Prefect draws another as before. Rarer, not impossible: the port is free
+    from this probe until the server binds it."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    if None in SubprocessASGIServer._instances:
+        return  # this process has its temporary server already (running or registered)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    SubprocessASGIServer._instances[None] = SubprocessASGIServer(port=port)
+
+
+temporary_api_on_a_port_the_os_gives()  # every process that runs a FOCUS flow imports this module first
 
 
 def default_store() -> str:

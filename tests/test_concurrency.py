@@ -98,3 +98,27 @@ def test_a_live_run_refuses_a_second_writer_and_a_killed_holders_run_resumes(tmp
     focus("resume", "held", "--store", str(tmp_path / "runs"), cwd=tmp_path)
     assert store.run_info("held")["status"] == "finished"
     assert store.read_run_file("held", LEASE_NAME) is None  # given back
+
+
+_TEMPORARY_API_PORT = """
+import os, sys
+if len(sys.argv) > 1:
+    os.environ["PREFECT_API_URL"] = sys.argv[1]
+import flows.train
+from prefect.server.api.server import SubprocessASGIServer
+print(SubprocessASGIServer().port)
+"""
+
+
+def test_each_process_gets_its_temporary_prefect_api_on_a_port_the_kernel_gives():
+    """Regression: Prefect drew each process's temporary API port at random from 8000-8999, and two `focus train`
+    started at once (the methods fixture on both xdist workers) drew the same one: one's flow ran on the other's
+    server, and failed with "Connection refused" when that process ended. Importing the flows now registers the
+    process's server on a port the kernel gives; with PREFECT_API_URL set, nothing is registered."""
+    ports = [subprocess.run([sys.executable, "-c", _TEMPORARY_API_PORT], capture_output=True, text=True, check=True,
+                            timeout=120).stdout.strip() for _ in range(2)]
+    assert all(port.isdigit() and not 8000 <= int(port) < 9000 for port in ports), ports
+    assert ports[0] != ports[1]
+    given = subprocess.run([sys.executable, "-c", _TEMPORARY_API_PORT, "http://127.0.0.1:4200/api"],
+                           capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    assert given == "None"  # Prefect's own behaviour when a server is configured: no temporary one
