@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
+
 from focus_core.envs.base import Task, cached_tasks
 
 
@@ -67,10 +73,6 @@ print(len(cached_tasks("x", "default", ("v1",), generate)))
 
 
 def test_two_processes_asking_at_once_generate_the_tasks_once(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     script = tmp_path / "race.py"
     script.write_text(_RACE)
     env = {**os.environ, "FOCUS_DATA_DIR": str(tmp_path / "data")}
@@ -86,8 +88,6 @@ def test_two_processes_asking_at_once_generate_the_tasks_once(tmp_path):
 def test_a_generators_error_comes_out_as_its_own(tmp_path, monkeypatch):
     """Where no lock can be made (a file where the data dir should be), a failing generator's error is the one
     raised, not one 'raised while handling' the lock's OSError."""
-    import pytest
-
     monkeypatch.setenv("FOCUS_DATA_DIR", str(tmp_path / "file"))
     (tmp_path / "file").write_text("a file where the data dir should be")
 
