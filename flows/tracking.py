@@ -52,6 +52,7 @@ import numpy as np
 
 from focus_core.artifacts import COMPUTE_TIMING, Manifest
 from focus_core.config import config_to_dict
+from focus_core.locks import exclusive_file_lock
 from tasks.stage import RunContext
 
 log = logging.getLogger("focus")
@@ -75,12 +76,8 @@ def first_use(tracking_uri: str) -> Iterator[None]:
     runs then migrate it one after another. Also hides SQLAlchemy's deprecation notices from MLflow's store code."""
     with contextlib.ExitStack() as stack:
         if tracking_uri.startswith("sqlite:///"):
-            import fcntl
-
             database = Path(tracking_uri.removeprefix("sqlite:///")).resolve()
-            database.parent.mkdir(parents=True, exist_ok=True)
-            handle = stack.enter_context(open(f"{database}.lock", "a"))  # noqa: SIM115 - closed by the stack
-            fcntl.flock(handle, fcntl.LOCK_EX)  # released when the handle closes
+            stack.enter_context(exclusive_file_lock(f"{database}.lock"))
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore", DeprecationWarning)
         yield

@@ -30,13 +30,14 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from focus_core.agent.toolcall import ToolCall, ToolCallError, ToolSpec, parse_tool_call
 from focus_core.ids import unit_fraction
+from focus_core.locks import exclusive_file_lock
 
 SPLITS = ("train", "heldout")
 
@@ -87,7 +88,7 @@ def cached_tasks(env: str, tier: str, key: Sequence[object], generate: Callable[
     tasks = _read_tasks(path)
     if tasks is not None:
         return tasks
-    with _generating(path):
+    with exclusive_file_lock(path.with_name(f"{path.name}.lock"), required=False):
         tasks = _read_tasks(path)  # written by the process this one waited for
         if tasks is not None:
             return tasks
@@ -107,23 +108,6 @@ def _read_tasks(path: Path) -> list[Task] | None:
         return [Task(**row) for row in json.loads(path.read_text(encoding="utf-8"))]
     except (OSError, ValueError, TypeError):
         return None
-
-
-@contextlib.contextmanager
-def _generating(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``<path>.lock`` while one process generates ``path``'s tasks (released with the file,
-    also when the process dies). Where no lock file can be made (a read-only data dir) every process generates."""
-    import fcntl
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path.with_name(f"{path.name}.lock"), "a")  # noqa: SIM115 - closed below
-    except OSError:
-        handle = None  # (not yielding in here: a generator's error would print as raised while handling this one)
-    with handle or contextlib.nullcontext():
-        if handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 class ToolEnv(abc.ABC):

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from focus_core.envs.base import data_dir
+from focus_core.locks import exclusive_file_lock
 
 GENERATOR_VERSION = "3"
 PYTHON_VERSION = "3.11.7"
@@ -555,13 +556,9 @@ def cache_dir() -> Path:
 
 def load_records(modules: tuple[str, ...], scope: str = "named") -> dict[str, list[dict[str, Any]]]:
     """Cached records of ``modules``; missing ones are generated first in a fresh interpreter (it forks)."""
-    import fcntl
-
     directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     if any(not (directory / f"{m}.{scope}.json").is_file() for m in modules):
-        with open(directory / ".lock", "w") as lock:  # one generator at a time (pytest -n 2, rollout workers)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with exclusive_file_lock(directory / ".lock"):  # one generator at a time (pytest -n 2, rollout workers)
             missing = [m for m in modules if not (directory / f"{m}.{scope}.json").is_file()]
             if missing:
                 command = [sys.executable, "-m", "focus_core.envs.code_mutations", "--scope", scope,
