@@ -45,12 +45,15 @@ def test_a_second_process_waits_until_the_holder_releases(tmp_path):
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     holder = _hold(tmp_path, 600)
-    with open(tmp_path / "sub" / "x.lock") as probe:
-        with pytest.raises(BlockingIOError):
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held now
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=60)
-        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: the kernel released it with the process
+    try:
+        with open(tmp_path / "sub" / "x.lock") as probe:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held now
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(timeout=60)
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free at once: the kernel released it with the process
+    finally:
+        holder.kill()  # a failed assertion above leaves no holder sleeping for 10 minutes
     assert not (tmp_path / "released").exists()
 
 
