@@ -62,6 +62,29 @@ def s3_store_root(s3_service) -> str:
     return f"s3://focus/tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
 
 
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A Prefect server for this pytest process (started on first use, stopped when the session ends).
+
+    Where no PREFECT_API_URL is set, every ``focus`` process starts Prefect's temporary API server and stops it at
+    exit: 5-15 s of each process's start (more on a fresh PREFECT_HOME, whose database it migrates first). The tests
+    that start many ``focus`` processes point them at this server instead, as a user with ``make services-up`` or a
+    deployment does; the temporary server keeps its own tests (the quick start's path, its port choice)."""
+    from infra.services import start_prefect
+
+    service = start_prefect(tmp_path_factory.mktemp("prefect-service"))
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture
+def on_prefect_server(prefect_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``focus`` processes this test starts (they inherit the environment) talk to ``prefect_server``."""
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server.env["PREFECT_API_URL"])
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """Tiny models decode fastest on one intra-op thread; more threads on a busy 2-core machine (pytest -n 2)

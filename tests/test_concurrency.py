@@ -76,6 +76,7 @@ def test_three_runs_started_at_once_all_finish(tmp_path):
     assert {r.info.status for r in runs} == {"FINISHED"}
 
 
+@pytest.mark.usefixtures("on_prefect_server")  # three `focus` processes; the test above keeps temporary servers
 def test_a_live_run_refuses_a_second_writer_and_a_killed_holders_run_resumes(tmp_path):
     config = write_config(tmp_path, method="grpo", iterations=2)
     store = ArtifactStore(tmp_path / "runs")

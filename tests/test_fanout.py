@@ -86,6 +86,7 @@ def close_rows(mine: list[dict], theirs: list[dict], table: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 def test_a_run_sharded_over_dask_and_updated_by_two_processes_commits_the_serial_tables(tmp_path):
     # One run played serially and updated in one process; the other with its generating stages on a real local
     # Dask cluster of 2 workers and its update on 2 processes (torchrun + accelerate, gloo): the same tables.

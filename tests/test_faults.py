@@ -19,7 +19,7 @@ from focus_core.artifacts import ArtifactStore
 from infra.services import start_s3
 from tests.test_pipeline import TABLES, comparable, focus, table_rows, write_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]  # tests/conftest.py: why
 
 
 def test_an_s3_outage_mid_run_is_retried_and_the_tables_equal_an_undisturbed_run(tmp_path, monkeypatch):

@@ -27,7 +27,9 @@ from focus_core.config import validate_config
 from focus_core.rollouts import training_sequences
 from tasks.stage import RunContext
 
-pytestmark = pytest.mark.slow
+# Every test here but the quick start's (which keeps Prefect's temporary server) runs its `focus` processes against
+# one Prefect server per pytest process (tests/conftest.py): the temporary one's start is 5-15 s of each process.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 
 TINY = """
 method: {method}
@@ -94,6 +96,7 @@ def comparable(rows: list[dict]) -> list[str]:
 
 
 def test_train_two_iterations_local_then_inspect(tmp_path, monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL")  # the quick start's path: Prefect's temporary server, started by `focus`
     config = write_config(tmp_path, iterations=2)
     focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "e2e", cwd=tmp_path)
     store = ArtifactStore(tmp_path / "runs")
@@ -255,11 +258,12 @@ METHODS = ["focus", "grpo", "dr_grpo", "rloo", "ppo_gae", "vineppo", "focus_nobr
 
 
 @pytest.fixture(scope="module")
-def shared_start(tmp_path_factory):
+def shared_start(tmp_path_factory, prefect_server):
     """One store with a 2-iteration FOCUS run whose bootstrap every other method starts from (--init)."""
     root = tmp_path_factory.mktemp("methods")
     config = write_config(root, "focus", iterations=2, prompts=12)
-    focus("train", "--config", str(config), "--store", str(root / "runs"), "--run-id", "focus", cwd=root)
+    focus("train", "--config", str(config), "--store", str(root / "runs"), "--run-id", "focus", cwd=root,
+          env=prefect_server.env)
     return root
 
 

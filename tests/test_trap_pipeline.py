@@ -421,6 +421,7 @@ critic: {{steps: 10, hidden: 16}}
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 @pytest.mark.parametrize("name", TRAPS)
 def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success(tmp_path: Path, name):
     from focus_core.artifacts import ArtifactStore
@@ -449,6 +450,7 @@ def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_stage(tmp_path: Path, monkeypatch):
     """``exact_values: true`` (the perfect-critic diagnostic): the advantages' V is V^π of the policy that sampled."""
     from focus_core.artifacts import ArtifactStore
