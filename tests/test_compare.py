@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -40,17 +41,23 @@ def _spec(tmp_path: Path) -> Path:
     return spec
 
 
-# Stage lines ("[it N] rollout") in the Prefect logs of each flow (the runs' database under PREFECT_HOME).
+# Stage lines ("[it N] rollout") in the Prefect logs of each flow, logged since argv[1] (the test's start: the
+# server is this pytest process's, whose earlier tests logged there too).
 PREFECT_LOGS_BY_FLOW = """
-import json
+import json, sys
+from datetime import datetime
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTimestamp
+since = LogFilter(timestamp=LogFilterTimestamp(after_=datetime.fromisoformat(sys.argv[1])))
 with get_client(sync_client=True) as client:
-    flows = {f.id: f.name for f in client.read_flows()}
-    flow_of = {r.id: flows[r.flow_id] for r in client.read_flow_runs(limit=200)}
     logs, more = [], True
     while more:
-        more = client.read_logs(limit=200, offset=len(logs))
+        more = client.read_logs(log_filter=since, limit=200, offset=len(logs))
         logs += more
+    ids = sorted({log.flow_run_id for log in logs if log.flow_run_id})
+    flows = {f.id: f.name for f in client.read_flows()}
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids)), limit=200)
+    flow_of = {r.id: flows[r.flow_id] for r in runs}
     stage = [flow_of.get(log.flow_run_id) for log in logs if "] rollout" in log.message]
     print(json.dumps({name: stage.count(name) for name in ("focus-train", "focus-compare")}))
 """
@@ -62,7 +69,9 @@ def _environ(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")  # tests/conftest.py: the compare and its Dask workers share one server
 def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tables_say(tmp_path):
+    started = datetime.now(UTC).isoformat()
     spec, root = _spec(tmp_path), tmp_path / "runs"
     store = ArtifactStore(root)
     runs = [f"tiny-{env}-{method}-s5" for env in ("combination_lock", "lookup_chain") for method in ("focus", "grpo")]
@@ -91,8 +100,8 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     assert not [line for line in stage_lines if not re.match(r"\d\d:\d\d:\d\d \S+ \[it ", line)]  # the CLI's format
     assert "episode/s" not in resumed.stderr and "still alive" not in resumed.stderr
     # The workers' lines print in the CLI's process (above its bar); in Prefect each is in its own run's logs only.
-    logs = subprocess.run([sys.executable, "-c", PREFECT_LOGS_BY_FLOW], env=_environ(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    logs = subprocess.run([sys.executable, "-c", PREFECT_LOGS_BY_FLOW, started], env=_environ(tmp_path),
+                          capture_output=True, text=True, timeout=300)
     assert logs.returncode == 0, logs.stderr
     by_flow = json.loads(logs.stdout)
     assert by_flow["focus-train"] and not by_flow["focus-compare"]
@@ -149,6 +158,7 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
 def test_compare_on_an_existing_dask_cluster_prints_its_workers_lines_and_leaves_the_workers_as_they_were(tmp_path):
     """``--dask ADDRESS``: a cluster the comparison does not own. Its workers' stage lines print in the CLI's
     process (its workers' own stderr is another machine's in practice), and after the comparison they log as before
@@ -159,7 +169,7 @@ def test_compare_on_an_existing_dask_cluster_prints_its_workers_lines_and_leaves
 
     spec, root = _spec(tmp_path), tmp_path / "runs"
     worker_env = {key: value for key, value in _environ(tmp_path).items()
-                  if key in ("PREFECT_HOME", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI")}
+                  if key in ("PREFECT_HOME", "PREFECT_API_URL", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI")}
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
                       env=worker_env) as cluster, Client(cluster) as client:
         done = focus("compare", str(spec), "--store", str(root), "--dask", cluster.scheduler_address,
