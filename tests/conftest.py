@@ -69,8 +69,8 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     Where no PREFECT_API_URL is set, every ``focus`` process starts Prefect's temporary API server and stops it at
     exit: 9-14 s of each process (the more on a fresh PREFECT_HOME, whose database it migrates first; measured in
     docs/design.md). The tests that start many ``focus`` processes point them at this server instead, as a user with
-    ``make services-up`` or a deployment does; the temporary server keeps its own tests (the quick start's path,
-    processes started at once, its port choice)."""
+    ``make services-up`` or a deployment does (the deployment tests use it too); the temporary server keeps its own
+    tests (the quick start's path, processes started at once, its port choice)."""
     from infra.services import start_prefect
 
     service = start_prefect(tmp_path_factory.mktemp("prefect-service"))

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from focus_core.artifacts import ArtifactStore
-from infra.services import focus_serve, start_prefect, wait_for
+from infra.services import focus_serve, wait_for
 from infra.services import prefect_api as api
 from tests.test_pipeline import write_config
 
@@ -39,8 +39,8 @@ def stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_served_deployment_runs_from_the_ui_api(tmp_path):
-    server = start_prefect(tmp_path / "services")
+def test_served_deployment_runs_from_the_ui_api(tmp_path, prefect_server):
+    server = prefect_server
     base = server.env["PREFECT_API_URL"]
     serving = focus_serve(server, tmp_path, str(tmp_path / "runs"))
     try:
@@ -71,11 +71,10 @@ def test_served_deployment_runs_from_the_ui_api(tmp_path):
         assert [row["iteration"] for row in curve] == [0, 1] and all(0 <= r["heldout_success"] <= 1 for r in curve)
     finally:
         stop(serving)
-        server.stop()
 
 
-def test_a_deployment_on_a_work_pool_runs_through_a_process_worker(tmp_path):
-    server = start_prefect(tmp_path / "services")
+def test_a_deployment_on_a_work_pool_runs_through_a_process_worker(tmp_path, prefect_server):
+    server = prefect_server
     base = server.env["PREFECT_API_URL"]
     environ = {**os.environ, **server.env, "PREFECT_HOME": str(tmp_path / ".prefect-client"), "OMP_NUM_THREADS": "1",
                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlruns.db'}"}
@@ -100,4 +99,3 @@ def test_a_deployment_on_a_work_pool_runs_through_a_process_worker(tmp_path):
     finally:
         if worker is not None:
             stop(worker)
-        server.stop()

@@ -28,7 +28,7 @@ from focus_core.rollouts import training_sequences
 from tasks.stage import RunContext
 
 # Every test here but the quick start's (which keeps Prefect's temporary server) runs its `focus` processes against
-# one Prefect server per pytest process (tests/conftest.py): the temporary one's start is 5-15 s of each process.
+# one Prefect server per pytest process (tests/conftest.py): the temporary one costs each process 9-14 s.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_prefect_server")]
 
 TINY = """
