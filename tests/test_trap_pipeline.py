@@ -420,6 +420,12 @@ critic: {{steps: 10, hidden: 16}}
 """
 
 
+# The lookup chain's run also takes the critic off its default size: 16 members (5 by default, the lead of
+# docs/benchmarks.md's ensemble item), and a second acquisition round, so that a plan reads a fitted critic's spread.
+SIXTEEN_MEMBERS = {"acquisition: {rounds: 1, chunk_size: 1}": "acquisition: {rounds: 2, chunk_size: 1}",
+                   "critic: {steps: 10, hidden: 16}": "critic: {steps: 10, hidden: 16, members: 16}"}
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("on_prefect_server")
 @pytest.mark.parametrize("name", TRAPS)
@@ -427,8 +433,12 @@ def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success
     from focus_core.artifacts import ArtifactStore
     from tests.test_pipeline import STAGES, focus, table_rows
 
+    text = TRAP_CONFIG.format(env=name)
+    for default, changed in SIXTEEN_MEMBERS.items() if name == "lookup_chain" else ():
+        assert default in text
+        text = text.replace(default, changed)
     config = tmp_path / "trap.yaml"
-    config.write_text(TRAP_CONFIG.format(env=name))
+    config.write_text(text)
     focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "trap", cwd=tmp_path)
     store = ArtifactStore(tmp_path / "runs")
     assert store.run_info("trap")["status"] == "finished"
@@ -447,6 +457,23 @@ def test_one_iteration_of_focus_train_runs_end_to_end_with_exact_heldout_success
         key = (row["iteration"], row["episode_id"], row["segment_idx"])
         per_segment[key] = per_segment.get(key, 0) + 1
     assert per_segment and set(per_segment.values()) == {1}
+    if name == "lookup_chain":
+        _check_second_round_reads_the_sixteen_member_critic(store, "trap")
+
+
+def _check_second_round_reads_the_sixteen_member_critic(store, run: str) -> None:
+    """Round 1's plan shows, per state, the mean and spread of round 0's fitted critic: all 16 of its members."""
+    from focus_core.critic import EnsembleCritic
+    from tasks.inputs import CRITIC_FOLDER
+
+    critic = EnsembleCritic.load(store.fetch_folder(run, 0, "fit_critic_r0", CRITIC_FOLDER))
+    plan = store.read_table(run, 0, "acquire_r1", "acquisition").to_pylist()
+    features = {r["state_id"]: r["features"] for r in store.read_table(run, 0, "segment", "states").to_pylist()}
+    members = critic.predict_members(np.array([features[r["state_id"]] for r in plan], dtype=np.float32))
+    assert members.shape == (16, len(plan)) and members.std(axis=0).max() > 0.0
+    assert [r["critic_mean"] for r in plan] == pytest.approx(members.mean(axis=0).tolist(), abs=1e-6)
+    assert [r["critic_std"] for r in plan] == pytest.approx(members.std(axis=0, ddof=1).tolist(), abs=1e-6)
+    assert sum(r["continuations"] for r in plan) > 0
 
 
 @pytest.mark.slow
