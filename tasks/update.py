@@ -19,10 +19,16 @@ The optimizer's state (AdamW moments and step counts) is committed inside the po
 updates exactly as an uninterrupted one. ``focus_core.ppo.policy_update`` does the epochs; the new
 checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`` row per step. With
 ``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy.
+
+An iteration with no token to train (the budget cut every episode, all masked) commits the checkpoint unchanged at
+version + 1, with a warning line, and the run goes on.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +41,7 @@ from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
 from focus_core.continuations import update_sequences
 from focus_core.lora import merged, with_lora
+from focus_core.policy.hf import METADATA_FILE
 from focus_core.ppo import (
     DataParallel,
     SequenceLike,
@@ -49,6 +56,7 @@ from tasks.inputs import POLICY_FOLDER, load_value_head, policy_at, read
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 from tasks.update_dp import train_in_processes, worker
 
+log = logging.getLogger("focus")
 STAGE = "update"
 READS = ("seed", "ppo", "advantage.whiten", "agent.temperature", "lora")
 
@@ -69,6 +77,8 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         flat = whiten(flat, mask)
         token_adv = np.split(flat, np.cumsum([len(a) for a in token_adv])[:-1])
     seed = ctx.seed(iteration, STAGE)
+    if not any(np.any(q.loss_mask) for q in sequences):
+        return _unchanged(ctx, iteration, policy_manifest, scratch, seed)
     if cfg.ppo.processes > 1:  # the same update, split over processes (tasks/update_dp.py)
         report = train_in_processes(ctx, policy_manifest, reference, sequences, token_adv, value_returns, old_values,
                                     seed, scratch)
@@ -89,6 +99,24 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
     return StageResult(tables={"updates": pa.Table.from_pylist(rows, schema=schema_for("updates"))},
                        folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures,
                        policy_version=policy_version, seeds={"update": seed})
+
+
+def _unchanged(ctx: RunContext, iteration: int, policy_manifest: Manifest, scratch: Path, seed: int) -> StageResult:
+    """No token to train: the budget cut every episode (a policy whose episodes outgrew B_tok, e.g. one drifting off
+    the tools' menus), so all were masked. The checkpoint goes on as it is (weights, optimizer state, value head)
+    at version + 1, so the next iteration samples again from the same policy; the run does not stop."""
+    folder = ctx.store.fetch_folder(ctx.run_id, policy_manifest.iteration, policy_manifest.stage, POLICY_FOLDER)
+    out = scratch / POLICY_FOLDER
+    shutil.copytree(folder, out)
+    version = policy_manifest.policy_version + 1
+    (out / METADATA_FILE).write_text(json.dumps({"version": version}))
+    log.warning("[it %d] update: no policy token to train (every episode was cut by the budget or masked): the "
+                "policy goes on unchanged (fix: a larger budget.tokens_per_iteration, or fewer "
+                "budget.prompts_per_iteration)", iteration)
+    figures = dict.fromkeys(("steps", "sequences", "policy_tokens", "policy_tokens_main",
+                             "policy_tokens_continuations"), 0)
+    return StageResult(tables={"updates": schema_for("updates").empty_table()}, folders={POLICY_FOLDER: out},
+                       figures=figures, policy_version=version, seeds={"update": seed})
 
 
 def train(ctx: RunContext, policy_manifest: Manifest, reference: Manifest, sequences: Sequence[SequenceLike],

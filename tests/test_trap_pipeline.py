@@ -9,6 +9,7 @@ against sampling frequencies, and one iteration of ``focus train`` on each trap 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -554,3 +555,32 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
                                         store.manifest("exact", 0, "bootstrap"), Path(scratch), branches)
     assert len(loads) == 1
     assert again.tables["advantages"].to_pylist() == store.read_table("exact", 0, "advantage", "advantages").to_pylist()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
+def test_an_iteration_whose_every_episode_the_budget_cut_leaves_the_policy_unchanged(tmp_path: Path):
+    """A policy whose episodes outgrow B_tok (seen: GRPO drifting off the menus on the 5-hop chain) gets every main
+    episode cut and masked: the update has nothing to train. The run goes on with the policy unchanged (it crashed
+    the run, and with it a whole `focus compare` grid)."""
+    from focus_core.artifacts import ArtifactStore
+    from tasks.inputs import POLICY_FOLDER
+    from tests.test_pipeline import focus
+
+    config = tmp_path / "trap.yaml"
+    config.write_text(TRAP_CONFIG.format(env="lookup_chain").replace("method: focus", "method: grpo")
+                      .replace("budget: {", "budget: {tokens_per_iteration: 6, ")
+                      + "acquisition: null\ncritic: null\n")
+    focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "cut", cwd=tmp_path)
+    store = ArtifactStore(tmp_path / "runs")
+    assert store.run_info("cut")["status"] == "finished"
+    episodes = store.read_table("cut", 0, "rollout", "episodes").to_pylist()
+    assert episodes and all(e["budget_cut"] for e in episodes)
+    update = store.manifest("cut", 0, "update")
+    assert update.figures["steps"] == 0 and update.figures["policy_tokens"] == 0
+    assert update.policy_version == 1 and store.read_table("cut", 0, "update", "updates").num_rows == 0
+    before, after = (store.fetch_folder("cut", 0, stage, POLICY_FOLDER) for stage in ("bootstrap", "update"))
+    weights = sorted(p.name for p in before.glob("*.safetensors"))
+    assert weights and weights == sorted(p.name for p in after.glob("*.safetensors"))
+    assert all((before / name).read_bytes() == (after / name).read_bytes() for name in weights)
+    assert json.loads((after / "focus_policy.json").read_text())["version"] == 1
