@@ -167,10 +167,14 @@ def _tables() -> list[str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from flows.compare import run_compare
+    from flows.compare import RunsFailedError, run_compare
 
-    name = run_compare(args.spec, store=_store(args.store).root, workers=args.workers, dask_address=args.dask,
-                       envs=args.env)
+    try:
+        name = run_compare(args.spec, store=_store(args.store).root, workers=args.workers, dask_address=args.dask,
+                           envs=args.env)
+    except RunsFailedError as error:
+        print(f"focus compare: {error}", file=sys.stderr)
+        return 1
     print(f"comparison {name} finished. Report it: focus report {name}; query it: focus sql --compare {name} "
           "--query 'SELECT ...'")
     return 0

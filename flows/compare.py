@@ -11,7 +11,8 @@ cluster of ``workers`` processes (one thread each), or an existing cluster by ``
 ``focus-train`` flow run nested in the compare run's task. First the bootstraps (one task per environment and
 seed), then every run as soon as its bootstrap is committed. A rerun of the same spec skips finished runs and
 resumes partial ones (``train`` with the run id: committed stages are not recomputed). Progress: one line per
-finished run and a progress bar over the grid.
+finished run and a progress bar over the grid. A run that fails does not stop the others: the grid goes on, and
+the flow then fails with one line naming the failed runs (``focus compare`` exits 1).
 
 The compare record ``{store}/_compare/{name}.json`` lists the runs with their env, method, seed and overrides;
 ``focus report NAME`` and ``focus sql --compare NAME`` read it. With MLflow, the compare is a parent run and every
@@ -25,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,26 +288,53 @@ def _compare(spec_path: str, store: str | None, envs: list[str] | None) -> str:
     with lines_to_the_client(runner.client) if isinstance(runner, DaskTaskRunner) else contextlib.nullcontext():
         firsts = [r for r in rows if r["init_from"] is None]
         boots = {r["run_id"]: bootstrap_run.submit(r, artifacts.root) for r in firsts}
-        futures = [train_run.submit(r, artifacts.root, wait_for=[boots[r["init_from"] or r["run_id"]]]) for r in rows]
-        results = _as_they_finish(futures, spec.name)
-    write_record(artifacts, spec, status=status, results=results)
+        results = _as_they_finish(boots, rows, lambda row: train_run.submit(row, artifacts.root), spec.name)
+    failed = [r for r in results if r["status"] == "failed"]
+    write_record(artifacts, spec, status="failed" if failed else status, results=results)
+    if failed:
+        raise RunsFailedError(f"{len(failed)} of {len(results)} runs of comparison {spec.name} failed: "
+                              + "; ".join(f"{r['run_id']} ({r['error']})" for r in failed)
+                              + ". The others are committed; rerun the same command to retry the failed ones "
+                              "(finished runs are skipped)")
     return spec.name
 
 
-def _as_they_finish(futures: list[Any], name: str) -> list[dict[str, Any]]:
-    """Each run's result as it finishes: a line per run and a progress bar over the grid."""
-    results = []
-    with tqdm(total=len(futures), desc=f"compare {name}", unit="run") as bar:
-        pending = dict(enumerate(futures))
-        while pending:
-            for k, future in list(pending.items()):
+class RunsFailedError(RuntimeError):
+    """Some runs of a comparison failed; the others finished (``focus compare`` exits 1 with this one line)."""
+
+
+def _as_they_finish(boots: dict[str, Any], rows: list[dict[str, Any]], start: Callable[[dict[str, Any]], Any],
+                    name: str) -> list[dict[str, Any]]:
+    """Start each run of ``rows`` as soon as the bootstrap it starts from (``boots``: run id -> future) has ended,
+    and collect each run's result as it finishes, a failed run's too (with its error): a line per run and a progress
+    bar over the grid. A run starts even when its bootstrap failed, and then fails in its own words, so one failure
+    never stops the rest of the grid. (Prefect's ``wait_for`` leaves such a run NotReady, a pending state that never
+    ends, with or without ``allow_failure``.)"""
+    results: list[dict[str, Any]] = []
+    waiting, running = dict(boots), {}
+    with tqdm(total=len(rows), desc=f"compare {name}", unit="run") as bar:
+        while waiting or running:
+            for boot, future in list(waiting.items()):
                 if future.state.is_final():
-                    result = future.result()
+                    del waiting[boot]
+                    running |= {k: start(row) for k, row in enumerate(rows)
+                                if (row["init_from"] or row["run_id"]) == boot}
+            for k, future in list(running.items()):
+                if future.state.is_final():
+                    try:
+                        result = future.result()
+                    except Exception as error:  # the run's own failure; the grid goes on without it
+                        result = {"run_id": rows[k]["run_id"], "status": "failed", "seconds": None, "skipped": False,
+                                  "error": f"{type(error).__name__}: {error}".splitlines()[0]}
                     results.append(result)
                     bar.update(1)
-                    what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
-                    log.info("compare %s: %s %s (%d/%d)", name, result["run_id"], what, bar.n, len(futures))
-                    del pending[k]
+                    if result["status"] == "failed":
+                        log.error("compare %s: %s failed: %s (%d/%d)", name, result["run_id"], result["error"],
+                                  bar.n, len(rows))
+                    else:
+                        what = "already finished" if result["skipped"] else f"finished in {result['seconds']:.0f}s"
+                        log.info("compare %s: %s %s (%d/%d)", name, result["run_id"], what, bar.n, len(rows))
+                    del running[k]
             time.sleep(0.5)
     return results
 

@@ -157,6 +157,44 @@ def test_compare_shares_bootstraps_resumes_after_a_kill_and_reports_what_the_tab
     assert "focus" in sql.stdout and "grpo" in sql.stdout
 
 
+BROKEN_ROW = "broken: [env.options.hops=9]"  # passes the config check; the trap has relations for 5 hops at most
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("on_prefect_server")
+def test_a_failed_run_leaves_the_rest_of_the_grid_running_and_is_named_in_one_line(tmp_path):
+    """A run that fails ends in its own error, and the other runs of the grid finish (one run's failure stopped the
+    whole grid, its Dask workers and their runs with it). `focus compare` then exits 1 with one line naming the
+    failed run; a rerun skips the finished runs and retries the failed one. When the failing row is the one that
+    trains the (env, seed)'s bootstrap, the runs that start from it fail too, and none waits for ever."""
+    (tmp_path / "lookup_chain.yaml").write_text(TRAP_CONFIG.format(env="lookup_chain"))
+    root, store = tmp_path / "runs", ArtifactStore(tmp_path / "runs")
+    grpo = "grpo: [method=grpo, acquisition=null, critic=null]"
+    for name, rows in (("later", [grpo, BROKEN_ROW]), ("first", [BROKEN_ROW, grpo])):
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(f"name: {name}\nenvs: {{lookup_chain: {tmp_path / 'lookup_chain.yaml'}}}\nmethods:\n"
+                        + "".join(f"  {row}\n" for row in rows) + "seeds: [5]\n")
+        done = focus("compare", str(spec), "--store", str(root), "--workers", "2", cwd=tmp_path, check=False)
+        assert done.returncode == 1, done.stderr[-3000:]
+        last = done.stderr.strip().splitlines()[-1]
+        failed = [f"{name}-lookup_chain-broken-s5"] + ([f"{name}-lookup_chain-grpo-s5"] if name == "first" else [])
+        assert last.startswith(f"focus compare: {len(failed)} of 2 runs of comparison {name} failed: ")
+        assert all(run in last for run in failed)
+        # Its own words: the broken row's start fails on the option; a run started from another start refuses it.
+        assert ("hops must be in [2, 5], got 9" if name == "first" else "bootstrapped with other env.options") in last
+        assert "Traceback" not in last
+        record = json.loads((root / "_compare" / f"{name}.json").read_text())
+        assert record["status"] == "failed"
+        assert {r["run_id"] for r in record["results"] if r["status"] == "failed"} == set(failed)
+    assert store.run_info("later-lookup_chain-grpo-s5")["status"] == "finished"
+    finished = {(i, s): m.created_at for i, s, m in store.committed("later-lookup_chain-grpo-s5")}
+    # The rerun: the finished run is skipped (not recomputed), the failed one is tried again and fails again.
+    again = focus("compare", str(tmp_path / "later.yaml"), "--store", str(root), "--workers", "2", cwd=tmp_path,
+                  check=False)
+    assert again.returncode == 1 and "later-lookup_chain-grpo-s5 already finished" in again.stderr
+    assert {(i, s): m.created_at for i, s, m in store.committed("later-lookup_chain-grpo-s5")} == finished
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("on_prefect_server")
 def test_compare_on_an_existing_dask_cluster_prints_its_workers_lines_and_leaves_the_workers_as_they_were(tmp_path):
