@@ -53,7 +53,9 @@ runs, and the update is exactly the one above.
 AdamW at ``config.lr`` with no weight decay (zero advantages must leave the weights where they are) and a constant
 rate within the call. A fresh optimizer starts every call unless ``optimizer_state`` (from the previous
 iteration's ``UpdateReport.optimizer_state``) is passed: Adam's first steps are sign-like (every weight moves by
-≈ lr), so carrying the moment estimates across iterations gives steadier steps. The state is continued in place
+≈ lr), so carrying the moment estimates across iterations gives steadier steps. For the same reason a minibatch with
+no gradient at all (every advantage 0, no KL, entropy or value term) takes no step: the carried momentum would move
+every weight without evidence (its ``updates`` row says grad_norm 0). The state is continued in place
 (its tensors become the new optimizer's when device and dtype match), so pass a state once; the report's is the one
 to carry on. It belongs to one list of parameters, the model's then the head's: a state from a call without a head
 does not load into a call with one. ``save_optimizer_state`` / ``load_optimizer_state`` checkpoint it without
@@ -276,7 +278,11 @@ def policy_update(
                     gap = gap_now
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
                 _check_finite(grad_norm, "gradient norm", where, lambda: "the backward pass produced inf/NaN")
-                optimizer.step()
+                # No gradient, no step (a minibatch whose every advantage is 0, with no KL, entropy or value term):
+                # AdamW would still move every weight by the momentum of earlier batches, a step without evidence.
+                # Measured: a GRPO iteration whose every group failed moved the policy to approx KL 0.11 that way.
+                if grad_norm.item() > 0.0:
+                    optimizer.step()
 
                 approx_kls.append(figures.pop("kl_before"))
                 row = {"epoch": epoch, "step": step, **figures}

@@ -20,8 +20,9 @@ updates exactly as an uninterrupted one. ``focus_core.ppo.policy_update`` does t
 checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`` row per step. With
 ``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy.
 
-An iteration with no token to train (the budget cut every episode, all masked) commits the checkpoint unchanged at
-version + 1, with a warning line, and the run goes on.
+A minibatch with no gradient takes no optimizer step (``focus_core.ppo``). An iteration with no token to train (the
+budget cut every episode, all masked) commits the checkpoint unchanged at version + 1, with a warning line, and the
+run goes on.
 """
 
 from __future__ import annotations

@@ -231,6 +231,28 @@ def test_kl_to_reference_starts_at_zero_and_pulls_back(policy, sampled):
         _update(policy, sampled, advantages, config={"kl_coef": 0.1})
 
 
+def test_zero_advantages_change_nothing_after_a_real_update_either(policy, sampled):
+    """An update with no signal after one with signal: AdamW's carried momentum moved every weight with a zero
+    gradient (seen: a GRPO iteration whose every group failed moved the tiny policy to approx KL 0.11, which then
+    drifted off the tools' menus). A step with no gradient is no step: weights and optimizer state stay as they were."""
+    model, first = _update(policy, sampled, _advantages(sampled))
+    before = copy.deepcopy(model.state_dict())
+    second = policy_update(model, sampled, _advantages(sampled, value=0.0), PPOConfig(epochs=2, lr=1e-3),
+                           optimizer_state=first.optimizer_state, temperature=T, batch_tokens=64)
+    assert len(second.rows) > 2 and all(row["grad_norm"] == 0.0 for row in second.rows)
+    for name, weight in before.items():
+        assert torch.equal(weight, model.state_dict()[name]), name
+    _assert_same(first.optimizer_state, second.optimizer_state)
+    # ... and the next step with a gradient continues the momentum as if the empty steps had not been there.
+    steps = first.optimizer_state["state"][0]["step"].item()  # the state continues in place: read it first
+    mixed = [a if k % 2 else np.zeros_like(a) for k, a in enumerate(_advantages(sampled, seed=1))]
+    third = policy_update(model, sampled, mixed, PPOConfig(epochs=2, lr=1e-3), optimizer_state=first.optimizer_state,
+                          temperature=T, batch_tokens=64)
+    stepped = [row for row in third.rows if row["grad_norm"] > 0.0]
+    assert 0 < len(stepped) < len(third.rows)  # some minibatches hold only zero advantages, some do not
+    assert third.optimizer_state["state"][0]["step"].item() == steps + len(stepped)
+
+
 def test_optimizer_state_carries_over_with_this_calls_rate(policy, sampled):
     model, first = _update(policy, sampled, _advantages(sampled))
     second = policy_update(
