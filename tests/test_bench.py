@@ -199,3 +199,26 @@ def test_value_calibration_names_a_missing_comparison_or_row_in_one_line(tmp_pat
     with pytest.raises(SystemExit):
         value_calibration.main(["headroom_step", "--store", str(store), "--method", "focus_calibrated_prior"])
     assert "headroom_step has no focus_calibrated_prior row (fix: --method" in capsys.readouterr().err
+
+
+def test_pooled_reports_hold_every_seed_of_the_shared_rows_once_and_report_over_all_of_them(tmp_path):
+    from bench.pool_reports import pool
+    from flows.report import summarise
+
+    first = json.loads(Path("docs/results/horizon_chain/horizon_chain.json").read_text())
+    later = json.loads(json.dumps(first).replace('"seed": 10', '"seed": 20').replace("seed=10", "seed=20"))
+    later["name"] = "later"
+    later["runs"] = [r for r in later["runs"] if r["method"] in ("focus", "grpo")]
+    pooled = pool([first, later], "both")
+    assert {r["method"] for r in pooled["runs"]} == {"focus", "grpo"}  # the rows both have
+    assert sorted({r["seed"] for r in pooled["runs"]}) == [101, 102, 103, 201, 202, 203]
+    table = {row["method"]: row for row in summarise(pooled)["table"]}
+    assert table["grpo"]["seeds"] == 6
+    finals = [max((r for r in pooled["iterations"] if r["method"] == "grpo" and r["seed"] == s),
+                  key=lambda r: r["iteration"])["heldout_success_exact"] for s in (101, 102, 103, 201, 202, 203)]
+    assert table["grpo"]["final"] == pytest.approx(np.mean(finals))
+    with pytest.raises(ValueError, match="count twice"):
+        pool([first, first], "twice")
+    other = json.loads(json.dumps(later).replace("hops=5", "hops=4"))
+    with pytest.raises(ValueError, match="other settings"):
+        pool([first, other], "mixed")
