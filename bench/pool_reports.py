@@ -8,8 +8,8 @@ must have been run with the same settings; this checks that their runs' override
 
     python -m bench.pool_reports docs/results/horizon_chain/horizon_chain.json \\
         docs/results/horizon_chain_seeds/horizon_chain_seeds.json --name horizon_chain_pooled \\
-        --out docs/results/horizon_chain_pooled/input.json
-    focus report --from-json docs/results/horizon_chain_pooled/input.json --out docs/results/horizon_chain_pooled
+        --out /tmp/horizon_chain_pooled.json
+    focus report --from-json /tmp/horizon_chain_pooled.json --out docs/results/horizon_chain_pooled
 """
 
 from __future__ import annotations
