@@ -258,7 +258,10 @@ def local_cluster(workers: int) -> DaskTaskRunner:
     # No progress bars in the workers (tqdm reads TQDM_DISABLE on import): several runs' bars would redraw over
     # each other on one terminal line. The compare's own bar over the grid stays.
     return DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
-                                          "dashboard_address": None, "env": {"TQDM_DISABLE": "1"}})
+                                          "dashboard_address": None, "env": {"TQDM_DISABLE": "1"},
+                                          # no dashboard, but the scheduler's HTTP routes (health, metrics) still
+                                          # need a port: a free one on loopback, not 8787 (two grids at once warned)
+                                          "scheduler_kwargs": {"dashboard_address": "127.0.0.1:0"}})
 
 
 # From the Prefect UI (focus serve) the flow runs on a local cluster of $FOCUS_COMPARE_WORKERS (2) processes.

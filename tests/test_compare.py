@@ -209,7 +209,8 @@ def test_compare_on_an_existing_dask_cluster_prints_its_workers_lines_and_leaves
     worker_env = {key: value for key, value in _environ(tmp_path).items()
                   if key in ("PREFECT_HOME", "PREFECT_API_URL", "OMP_NUM_THREADS", "MLFLOW_TRACKING_URI")}
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None,
-                      env=worker_env) as cluster, Client(cluster) as client:
+                      scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}, env=worker_env) as cluster, \
+            Client(cluster) as client:
         done = focus("compare", str(spec), "--store", str(root), "--dask", cluster.scheduler_address,
                      "--env", "combination_lock", cwd=tmp_path)
         propagates = client.run(lambda: logging.getLogger("focus").propagate)
@@ -399,3 +400,17 @@ def test_the_curves_of_a_grid_still_running_plot_without_warnings(tmp_path):
         warnings.simplefilter("error")
         written = plots(data, summary, tmp_path)
     assert [Path(p).name for p in written] == ["traps_curves.png", "traps_tokens.png"]
+
+
+def test_local_clusters_started_side_by_side_do_not_contend_for_one_port(recwarn):
+    """A Dask scheduler serves HTTP (health, metrics) even without a dashboard, on port 8787 unless told otherwise:
+    two comparisons at once (or two test workers) warned "Port 8787 is already in use". Each takes a free port."""
+    from distributed import LocalCluster
+
+    from flows.compare import local_cluster
+
+    kwargs = {**local_cluster(1).cluster_kwargs, "n_workers": 0}
+    with LocalCluster(**kwargs) as first, LocalCluster(**kwargs) as second:
+        ports = {cluster.scheduler.http_server.port for cluster in (first, second)}
+    assert len(ports) == 2 and 8787 not in ports
+    assert not [w for w in recwarn if "already in use" in str(w.message)]
