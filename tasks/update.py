@@ -27,7 +27,6 @@ run goes on.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import sys
@@ -42,7 +41,7 @@ from focus_core.advantages import whiten
 from focus_core.artifacts import Manifest
 from focus_core.continuations import update_sequences
 from focus_core.lora import merged, with_lora
-from focus_core.policy.hf import METADATA_FILE
+from focus_core.policy.hf import write_version
 from focus_core.ppo import (
     DataParallel,
     SequenceLike,
@@ -110,7 +109,7 @@ def _unchanged(ctx: RunContext, iteration: int, policy_manifest: Manifest, scrat
     out = scratch / POLICY_FOLDER
     shutil.copytree(folder, out)
     version = policy_manifest.policy_version + 1
-    (out / METADATA_FILE).write_text(json.dumps({"version": version}))
+    write_version(out, version)
     log.warning("[it %d] update: no policy token to train (every episode was cut by the budget or masked): the "
                 "policy goes on unchanged (fix: a larger budget.tokens_per_iteration, or fewer "
                 "budget.prompts_per_iteration)", iteration)

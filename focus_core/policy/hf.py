@@ -459,7 +459,7 @@ class HFPolicy:
         try:
             self.model.save_pretrained(staging)
             self.tokenizer.save_pretrained(staging)
-            (staging / METADATA_FILE).write_text(json.dumps({"version": self.version}))
+            write_version(staging, self.version)
             if path.exists():
                 shutil.rmtree(path)
             os.replace(staging, path)
@@ -499,6 +499,11 @@ def _check_score_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"score: temperature={temperature} must be > 0 (log-probs at temperature T are "
                          "log_softmax(logits / T); greedy decoding has no distribution to score)")
+
+
+def write_version(path: str | Path, version: int) -> None:
+    """Record the policy version in a checkpoint folder (what ``read_version`` reads)."""
+    (Path(path) / METADATA_FILE).write_text(json.dumps({"version": version}))
 
 
 def read_version(path: str | Path, default: int = 0) -> int:

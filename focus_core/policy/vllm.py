@@ -60,7 +60,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from focus_core.policy.base import FinishReason, Generation, check_sampling_arguments, check_seeds
-from focus_core.policy.hf import METADATA_FILE, read_version
+from focus_core.policy.hf import read_version, write_version
 from focus_core.policy.tokenizer import end_of_turn_ids
 
 START_HINT = (
@@ -275,14 +275,14 @@ class VLLMPolicy:
         leaves no partial folder."""
         path = Path(path).expanduser().resolve()
         if path == self.weights_path:
-            (path / METADATA_FILE).write_text(json.dumps({"version": self.version}))
+            write_version(path, self.version)
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         staging.chmod(0o755)
         try:
             shutil.copytree(self.weights_path, staging, dirs_exist_ok=True)
-            (staging / METADATA_FILE).write_text(json.dumps({"version": self.version}))
+            write_version(staging, self.version)
             if path.exists():
                 shutil.rmtree(path)
             os.replace(staging, path)
