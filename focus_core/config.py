@@ -184,9 +184,14 @@ class CriticConfig(_Section):
     )
     seed: int = Field(0, description="offset combined with the run seed for head init and bootstrap")
     folds: int = Field(
-        4, ge=2, description="cross-fitting: the value of a task's states comes from a critic fitted on the "
-        "other folds of tasks, so no episode's baseline has seen its own return"
+        4, ge=2, description="cross-fitting: the value of a row comes from a critic fitted on the other folds "
+        "(of tasks or of episodes, fold_unit), so no episode's baseline has seen its own return"
     )
+    fold_unit: Literal["task", "episode"] = Field(
+        "task", json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="what the cross-fitting folds are made of: task (a state's value comes from a critic that saw no "
+        "episode of its task: it must generalise across tasks) or episode (from one that saw no return of the "
+        "row's own episode, but the other episodes of its task: GRPO's group, generalised by the critic)")
     replay_iterations: int = Field(
         0, ge=0, description="also fit on the critic data of this many earlier iterations (features of older "
         "policies; 0 = this iteration only)"

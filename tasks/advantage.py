@@ -45,7 +45,7 @@ from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, env_factory, load_value_head
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
-READS = ("method", "advantage", "ppo.train_on_continuations", "exact_values")
+READS = ("method", "advantage", "ppo.train_on_continuations", "exact_values", "critic.fold_unit")
 # The states columns the batch and the advantages table read (main and continuation states alike).
 COLUMNS = (*STATE_KEYS, "segment_reward", "segment_generated_tokens")
 
@@ -160,9 +160,10 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
         contexts = states.column("context_token_ids").take(pa.array(rest)).to_pylist()
         features = with_scalar_features(policy_context_features(sampler().model, contexts),
                                         segment_idx[rest].astype(np.float32))
-        # From the fold critic that saw neither this continuation's return nor any other of its task's.
+        # From the fold critic that saw neither this continuation's return nor (critic.fold_unit: task) any other
+        # of its task's.
         task = np.array(episodes.column("task_id").to_pylist(), dtype=object)[[row[e] for e in episode[rest]]]
-        later[rest] = out_of_fold_values(ctx, values, list(task), features)
+        later[rest] = out_of_fold_values(ctx, values, list(task), list(episode[rest]), features)
     value = continuation_values(
         states.column("segment_reward").to_numpy(), lengths,
         prior_mean=np.array([prior[s][0] for s in parent], dtype=np.float64),

@@ -39,6 +39,7 @@ from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.config import AcquisitionConfig
 from focus_core.critic import EnsembleCritic
+from focus_core.ids import derive_seed
 from focus_core.schemas import FLOATS, schema_for
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read, state_keys
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
@@ -46,31 +47,37 @@ from tasks.stage import RunContext, StageResult, run_stage, stage_task
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
 # acquisition.jitter: the floor of the out-of-fold variance before it is combined with the returns.
-READS = ("seed", "method", "critic", "critic.prior_variance", "acquisition.jitter")
+READS = ("seed", "method", "critic", "critic.prior_variance", "critic.fold_unit", "acquisition.jitter")
 
 
 def stage_name(round_idx: int) -> str:
     return f"fit_critic_r{round_idx}"
 
 
-def branch_observations(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[dict[str, list[float]],
-                                                                                 dict[str, list[int]]]:
-    """Per state id, the returns and the generated tokens of its continuations, leaving out continuations the
-    budget cut off (their 0 is not the policy's doing, and they stopped early)."""
-    returns: dict[str, list[float]] = {}
-    tokens: dict[str, list[int]] = {}
+def branch_returns(ctx: RunContext, branches: Sequence[Manifest]) -> list[tuple[str, float, int, str]]:
+    """(state id, return, generated tokens, episode id) of every continuation, leaving out those the budget cut
+    off (their 0 is not the policy's doing, and they stopped early)."""
+    rows = []
     for manifest in branches:
         if manifest.skipped:
             continue
         table, episodes = read(ctx, manifest, "branches"), read(ctx, manifest, "episodes")
         cut = {e for e, was_cut in zip(episodes.column("episode_id").to_pylist(),
                                        episodes.column("budget_cut").to_pylist(), strict=True) if was_cut}
-        for state, value, spent, episode in zip(*(table.column(c).to_pylist() for c in
-                                                  ("state_id", "return", "generated_tokens", "episode_id")),
-                                                strict=True):
-            if episode not in cut:
-                returns.setdefault(state, []).append(value)
-                tokens.setdefault(state, []).append(spent)
+        rows += [row for row in zip(*(table.column(c).to_pylist() for c in
+                                      ("state_id", "return", "generated_tokens", "episode_id")), strict=True)
+                 if row[3] not in cut]
+    return rows
+
+
+def branch_observations(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[dict[str, list[float]],
+                                                                                 dict[str, list[int]]]:
+    """Per state id, the returns and the generated tokens of its continuations (``branch_returns``)."""
+    returns: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+    for state, value, spent, _ in branch_returns(ctx, branches):
+        returns.setdefault(state, []).append(value)
+        tokens.setdefault(state, []).append(spent)
     return returns, tokens
 
 
@@ -113,6 +120,23 @@ def task_folds(task_ids: Sequence[str], folds: int, seed: int) -> dict[str, int]
     return {distinct[j]: rank % k for rank, j in enumerate(order)}
 
 
+def episode_fold(episode_id: str, folds: int, seed: int) -> int:
+    """An episode's fold (``critic.fold_unit: episode``): a seeded hash of its id, so the advantage stage finds a
+    continuation's fold from its id alone, without the set of episodes the fit saw."""
+    return derive_seed(seed, 0, "episode_fold", episode_id) % folds
+
+
+def return_folds(ctx: RunContext, iteration: int, task_ids: Sequence[str], episode_ids: Sequence[str],
+                 iteration_tasks: Sequence[str]) -> np.ndarray:
+    """The cross-fitting fold of each return, given its episode's task and id: its task's fold, dealt over the
+    iteration's tasks (``critic.fold_unit: task``), or its own episode's (``episode``)."""
+    critic, seed = ctx.config.critic, ctx.seed(iteration, stage_name(0), "folds")
+    if critic.fold_unit == "episode":
+        return np.array([episode_fold(e, critic.folds, seed) for e in episode_ids], dtype=np.int64)
+    fold = task_folds(iteration_tasks, critic.folds, seed)
+    return np.array([fold[t] for t in task_ids], dtype=np.int64)
+
+
 def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
             branches: Sequence[Manifest], replay: Sequence[Manifest], scratch: Path) -> StageResult:
     cfg = ctx.config
@@ -128,9 +152,12 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     own = np.where(counted, states.column("own_return").to_numpy(), 0.0)
 
     distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
-    by_state, _ = branch_observations(ctx, branches)
-    branch_sum = np.array([sum(by_state.get(s, ())) for s in distinct])
-    branch_n = np.array([len(by_state.get(s, ())) for s in distinct], dtype=np.float64)
+    continuations = branch_returns(ctx, branches)
+    # Each continuation's state (as an index into `distinct`) and return.
+    at = np.searchsorted(distinct, np.array([c[0] for c in continuations], dtype=object)).astype(np.int64)
+    branch_return = np.array([c[1] for c in continuations], dtype=np.float64)
+    branch_sum = np.bincount(at, weights=branch_return, minlength=len(distinct))
+    branch_n = np.bincount(at, minlength=len(distinct)).astype(np.float64)
     own_sum = np.bincount(inverse, weights=own, minlength=len(distinct))
     own_n = np.bincount(inverse, weights=counted.astype(float), minlength=len(distinct))
     # Per row: Monte-Carlo returns independent of the row's own episode (leave its own return out).
@@ -146,41 +173,51 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     else:
         features = np.array(states.column("features").to_pylist(), dtype=np.float32)
         tasks_of_state = [task_of[episode_ids[i]] for i in first]
-        fold = task_folds(tasks_of_state, cfg.critic.folds, ctx.seed(iteration, stage_name(0), "folds"))
-        fold_of_state = np.array([fold[t] for t in tasks_of_state])
-        data = {"features": features[first], "successes": own_sum + branch_sum, "trials": own_n + branch_n,
-                "fold": fold_of_state}
+        # The fold of every return: the main rows' own returns, and the continuations'.
+        row_fold = return_folds(ctx, iteration, [task_of[e] for e in episode_ids], episode_ids, tasks_of_state)
+        branch_fold = return_folds(ctx, iteration, [tasks_of_state[i] for i in at], [c[3] for c in continuations],
+                                   tasks_of_state)
         replayed = _replay_data(ctx, replay, features.shape[1])
         figures["replay_states"] = len(replayed["trials"])
         seed = cfg.critic.seed + ctx.seed(iteration, stage_name(round_idx)) % 1_000_000
 
-        def fit(keep: np.ndarray) -> EnsembleCritic | None:
-            x = np.concatenate([data["features"][keep], replayed["features"]])
-            y = np.concatenate([data["successes"][keep], replayed["successes"]])
-            t = np.concatenate([data["trials"][keep], replayed["trials"]])
+        def fit(outside: int | None) -> EnsembleCritic | None:
+            """The critic on every return whose fold is not ``outside`` (None: on all of them), per distinct state;
+            a state visited only inside that fold is left out."""
+            rows, more = row_fold != outside, branch_fold != outside
+            keep = (np.bincount(inverse, weights=rows, minlength=len(distinct))
+                    + np.bincount(at, weights=more, minlength=len(distinct))) > 0
+            y = (np.bincount(inverse, weights=own * rows, minlength=len(distinct))
+                 + np.bincount(at, weights=branch_return * more, minlength=len(distinct)))
+            t = (np.bincount(inverse, weights=counted * rows, minlength=len(distinct))
+                 + np.bincount(at, weights=more.astype(float), minlength=len(distinct)))
+            x = np.concatenate([features[first][keep], replayed["features"]])
+            y, t = np.concatenate([y[keep], replayed["successes"]]), np.concatenate([t[keep], replayed["trials"]])
             if not (t > 0).any():
                 return None
             critic = EnsembleCritic(cfg.critic.model_copy(update={"seed": seed}), features.shape[1])
             critic.fit(x, y, t)
             return critic
 
-        full = fit(np.ones(len(distinct), dtype=bool))
+        full = fit(None)
         if full is None:
             raise ValueError(f"[it {iteration}] fit_critic: no state has a return (every main episode was cut by "
                              f"the budget); fix: a larger budget.tokens_per_iteration")
         # A method with a critic but no acquisition (ppo_gae) floors at the schema's default jitter.
         floor = (cfg.acquisition or AcquisitionConfig()).jitter
-        # Out-of-fold prior of every distinct state.
-        prior_mean, prior_var = np.full(len(distinct), FLAT_PRIOR[0]), np.full(len(distinct), FLAT_PRIOR[1])
-        for k in np.unique(fold_of_state):
-            held_out = fold_of_state == k
-            critic = fit(~held_out)
-            if critic is not None:
-                prior_mean[held_out], prior_var[held_out] = critic.predict(data["features"][held_out])
+        # Out-of-fold prior of every row, from the critic fitted without its fold's returns.
+        critic_mean, critic_var = np.full(len(state_ids), FLAT_PRIOR[0]), np.full(len(state_ids), FLAT_PRIOR[1])
+        for k in np.unique(row_fold):
+            held_out = row_fold == k
+            critic = fit(int(k))
+            if critic is not None:  # evaluated once per distinct state of the fold's rows
+                fold_states = np.unique(inverse[held_out])
+                mean, var = critic.predict(features[first][fold_states])
+                slot = np.searchsorted(fold_states, inverse[held_out])
+                critic_mean[held_out], critic_var[held_out] = mean[slot], var[slot]
                 critic.save(scratch / fold_critic_folder(int(k)))
                 folders[fold_critic_folder(int(k))] = scratch / fold_critic_folder(int(k))
-        prior_var = np.maximum(prior_var, floor)
-        critic_mean, critic_var = prior_mean[inverse], prior_var[inverse]
+        critic_var = np.maximum(critic_var, floor)
         if cfg.critic.prior_variance == "calibrated":
             critic_var, figures["prior_variance_scale"] = calibrated_variance(critic_mean, critic_var, mc_mean, n)
         value, value_var = combine_estimates(critic_mean, critic_var, mc_mean, n)
@@ -190,16 +227,19 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
         tables["critic_data"] = pa.table({
             "run_id": [ctx.run_id] * size, "iteration": pa.array([iteration] * size, pa.int32()),
             "state_id": list(distinct), "policy_version": pa.array([segment.policy_version] * size, pa.int32()),
-            "task_id": tasks_of_state, "fold": pa.array(fold_of_state, pa.int32()),
-            "features": pa.array(list(data["features"]), type=FLOATS),
-            "successes": pa.array(data["successes"], pa.float64()), "trials": pa.array(data["trials"], pa.float64()),
+            "task_id": tasks_of_state,
+            # A state's fold is its task's; with folds of episodes a state has none (-1).
+            "fold": pa.array(row_fold[first] if cfg.critic.fold_unit == "task" else np.full(size, -1), pa.int32()),
+            "features": pa.array(list(features[first]), type=FLOATS),
+            "successes": pa.array(own_sum + branch_sum, pa.float64()),
+            "trials": pa.array(own_n + branch_n, pa.float64()),
         }, schema=schema_for("critic_data"))
-        full_mean, full_var = full.predict(data["features"])
+        full_mean, full_var = full.predict(features[first])
         figures["critic_std"] = float(np.sqrt(full_var).mean())
         branched = branch_n > 0
         if branched.any():  # the honest error: out-of-fold prior against the continuations' mean
             branch_mean = branch_sum[branched] / branch_n[branched]
-            figures["oof_critic_vs_mc_mae"] = float(np.abs(prior_mean[branched] - branch_mean).mean())
+            figures["oof_critic_vs_mc_mae"] = float(np.abs(critic_mean[first][branched] - branch_mean).mean())
             figures["critic_vs_mc_mae"] = float(np.abs(full_mean[branched] - branch_mean).mean())
         figures |= acquisition_check(ctx, iteration, round_idx, branches)
     rows = states.num_rows
@@ -214,17 +254,18 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     return StageResult(tables=tables, folders=folders, figures=figures, policy_version=segment.policy_version)
 
 
-def out_of_fold_values(ctx: RunContext, values: Manifest, task_ids: Sequence[str], features: np.ndarray) -> np.ndarray:
-    """V̂ at new states (e.g. a continuation's later segment starts) of the given tasks, each from the fold critic
-    fitted without its task's returns — so no value has seen the return of the episode it is the baseline of. A
-    task whose fold had no critic (no returns outside it) gets the flat prior, as its prior did in the fit."""
-    fold_of = dict(zip(*(read(ctx, values, "critic_data").column(c).to_pylist() for c in ("task_id", "fold")),
-                       strict=True))
-    missing = sorted(set(task_ids) - set(fold_of))
+def out_of_fold_values(ctx: RunContext, values: Manifest, task_ids: Sequence[str], episode_ids: Sequence[str],
+                       features: np.ndarray) -> np.ndarray:
+    """V̂ at new states (e.g. a continuation's later segment starts) of the given tasks and episodes, each from the
+    fold critic fitted without its fold's returns (its task's or its episode's, ``critic.fold_unit``), so no value
+    has seen the return of the episode it is the baseline of. A fold that had no critic (no returns outside it)
+    gives the flat prior, as its rows' prior did in the fit."""
+    known = read(ctx, values, "critic_data").column("task_id").to_pylist()  # the tasks of the fit's states
+    missing = sorted(set(task_ids) - set(known))
     if missing:
-        raise ValueError(f"{values.stage}: task {missing[0]} has no fold in its critic_data; the states are not of "
+        raise ValueError(f"{values.stage}: task {missing[0]} has no state in its critic_data; the states are not of "
                          f"this iteration's tasks")
-    fold = np.array([fold_of[t] for t in task_ids])
+    fold = return_folds(ctx, values.iteration, task_ids, episode_ids, known)
     out = np.full(len(fold), FLAT_PRIOR[0])
     for k in np.unique(fold):
         if fold_critic_folder(int(k)) in values.files:

@@ -1,5 +1,6 @@
 """Stage fit_critic on a real local store: the value a segment's advantage uses never sees its own episode's
-return (cross-fitting over tasks, leave-one-out Monte-Carlo means), and VinePPO's values follow the paper."""
+return (cross-fitting over tasks or over episodes, leave-one-out Monte-Carlo means), and VinePPO's values follow the
+paper."""
 
 from __future__ import annotations
 
@@ -43,25 +44,28 @@ def _commit_iteration(store: ArtifactStore, run: str, rewards: np.ndarray):
     return rollout, segment
 
 
-def _values(tmp_path, method: str, rewards: np.ndarray, run: str) -> dict[tuple[str, int], float]:
+def _values(tmp_path, method: str, rewards: np.ndarray, run: str, fold_unit: str = "task",
+            column: str = "value") -> dict[tuple[str, int], float]:
     store = ArtifactStore(tmp_path / "store")
     rollout, segment = _commit_iteration(store, run, rewards)
-    overrides = [f"method={method}"] + (["critic.steps=50", "critic.hidden=8", "critic.folds=3"]
-                                        if method == "focus" else [])
+    overrides = [f"method={method}"] + ([*CRITIC, f"critic.fold_unit={fold_unit}"] if method == "focus" else [])
     ctx = RunContext(store, run, load_config(None, overrides), tokens_per_iteration=1000)
     result = fit_critic.compute(ctx, 0, 0, segment, rollout, [], [], tmp_path)
     table = result.tables["values"]
-    return {(e, k): v for e, k, v in zip(*(table.column(c).to_pylist() for c in ("episode_id", "segment_idx", "value")),
+    return {(e, k): v for e, k, v in zip(*(table.column(c).to_pylist() for c in ("episode_id", "segment_idx", column)),
                                          strict=True)}
 
 
-@pytest.mark.parametrize("method", ["focus", "vineppo"])
-def test_a_segments_value_never_sees_its_own_episodes_return(tmp_path, method):
+CRITIC = ["critic.steps=50", "critic.hidden=8", "critic.folds=3"]
+
+
+@pytest.mark.parametrize(("method", "fold_unit"), [("focus", "task"), ("focus", "episode"), ("vineppo", "task")])
+def test_a_segments_value_never_sees_its_own_episodes_return(tmp_path, method, fold_unit):
     rewards = np.random.default_rng(1).integers(0, 2, size=TASKS * GROUP).astype(float)
     flipped = rewards.copy()
     flipped[0] = 1.0 - flipped[0]  # episode t0-e0's outcome changes, nothing else
-    before = _values(tmp_path / "a", method, rewards, "a")
-    after = _values(tmp_path / "b", method, flipped, "b")
+    before = _values(tmp_path / "a", method, rewards, "a", fold_unit)
+    after = _values(tmp_path / "b", method, flipped, "b", fold_unit)
     # Its own first-segment value is unchanged (the last segment of VinePPO without returns is r + 0, which is
     # the outcome itself by the paper's rule, not a baseline estimate, so only s_0 is checked there).
     assert after[("t0-e0", 0)] == pytest.approx(before[("t0-e0", 0)], abs=1e-12)
@@ -81,34 +85,59 @@ def test_vineppo_pools_s0_over_the_group_and_fills_states_without_returns(tmp_pa
     assert values[("t0-e0", 1)] == 1.0 and values[("t0-e1", 1)] == 0.0
 
 
+def test_episode_folds_let_a_states_critic_learn_from_the_other_episodes_of_its_task(tmp_path):
+    """The point of critic.fold_unit: episode. With folds of tasks the critic prior of an episode never sees any
+    return of its task, so it cannot learn how hard the task is; with folds of episodes it sees its siblings'."""
+    seed = fit_critic.derive_seed(load_config(None, []).seed, 0, fit_critic.stage_name(0), "folds")
+    # A task whose two episodes fall in different folds (the premise; the fold is a seeded hash of the id).
+    t = next(t for t in range(TASKS) if fit_critic.episode_fold(f"t{t}-e0", 3, seed)
+             != fit_critic.episode_fold(f"t{t}-e1", 3, seed))
+    rewards = np.random.default_rng(1).integers(0, 2, size=TASKS * GROUP).astype(float)
+    flipped = rewards.copy()
+    flipped[t * GROUP + 1] = 1.0 - flipped[t * GROUP + 1]  # episode e0's sibling e1 changes, nothing else
+    prior = {(unit, name): _values(tmp_path / f"{unit}-{name}", "focus", r, name, unit, "critic_mean")
+             for unit in ("task", "episode") for name, r in (("a", rewards), ("b", flipped))}
+    key = (f"t{t}-e0", 0)
+    assert prior[("task", "a")][key] == pytest.approx(prior[("task", "b")][key], abs=1e-12)
+    assert prior[("episode", "a")][key] != pytest.approx(prior[("episode", "b")][key], abs=1e-6)
+
+
 def test_cross_fitting_folds_are_tasks(tmp_path):
     folds = fit_critic.task_folds([f"task-{t % 5}" for t in range(20)], 3, seed=4)
     assert set(folds) == {f"task-{t}" for t in range(5)} and set(folds.values()) == {0, 1, 2}
     assert fit_critic.task_folds(["a", "b"], 4, seed=0).keys() == {"a", "b"}  # never more folds than tasks
 
 
-def test_fold_critics_value_a_tasks_new_states_without_its_returns(tmp_path):
-    """A continuation's later states are valued by the fold critic of its task, which never saw that task's
-    returns (its own included); the full ensemble, which acquisition reads, did see them. Regression: later
-    states used the full ensemble, so a continuation's baseline had been fitted on its own return."""
+@pytest.mark.parametrize("fold_unit", ["task", "episode"])
+def test_fold_critics_value_a_tasks_new_states_without_its_returns(tmp_path, fold_unit):
+    """A continuation's later states are valued by the fold critic of its task (or of its own episode), which never
+    saw that task's returns (its own included); the full ensemble, which acquisition reads, did see them.
+    Regression: later states used the full ensemble, so a continuation's baseline had been fitted on its own
+    return."""
     rewards = np.random.default_rng(1).integers(0, 2, size=TASKS * GROUP).astype(float)
     flipped = rewards.copy()
-    flipped[:GROUP] = 1.0 - flipped[:GROUP]  # task 0's outcomes change, nothing else
+    # Task 0's outcomes change (with folds of episodes, only t0-e0's: its siblings are other folds' returns).
+    flipped[:GROUP if fold_unit == "task" else 1] = 1.0 - flipped[:GROUP if fold_unit == "task" else 1]
     new_states = np.random.default_rng(7).normal(size=(3, FEATURES)).astype(np.float32)
     seen = {}
     for name, r in (("a", rewards), ("b", flipped)):
         store = ArtifactStore(tmp_path / name)
         rollout, segment = _commit_iteration(store, name, r)
-        ctx = RunContext(store, name, load_config(None, ["critic.steps=50", "critic.hidden=8", "critic.folds=3"]),
+        ctx = RunContext(store, name, load_config(None, [*CRITIC, f"critic.fold_unit={fold_unit}"]),
                          tokens_per_iteration=1000)
         result = fit_critic.compute(ctx, 0, 0, segment, rollout, [], [], tmp_path / f"scratch-{name}")
         values = store.commit(name, 0, "fit_critic_r0", version="v", tables=result.tables, folders=result.folders,
                               policy_version=0)
-        fold = dict(zip(*(result.tables["critic_data"].column(c).to_pylist() for c in ("task_id", "fold")),
-                        strict=True))
-        other = next(t for t in sorted(fold) if fold[t] != fold["task-0"])
-        seen[name] = (fit_critic.out_of_fold_values(ctx, values, ["task-0"] * 3, new_states),
-                      fit_critic.out_of_fold_values(ctx, values, [other] * 3, new_states))
+        # The new states of an episode of task 0 (t0-e0 itself: what its fold critic saw is what matters) and of an
+        # episode of another fold.
+        episodes = [f"t{t}-e{g}" for t in range(TASKS) for g in range(GROUP)]
+        fold = {e: f for e, f in zip(episodes, fit_critic.return_folds(
+            ctx, 0, [e.split("-")[0].replace("t", "task-") for e in episodes], episodes,
+            [f"task-{t}" for t in range(TASKS)]), strict=True)}
+        other = next(e for e in episodes if fold[e] != fold["t0-e0"])
+        seen[name] = (fit_critic.out_of_fold_values(ctx, values, ["task-0"] * 3, ["t0-e0"] * 3, new_states),
+                      fit_critic.out_of_fold_values(ctx, values, [other.split("-")[0].replace("t", "task-")] * 3,
+                                                    [other] * 3, new_states))
     assert seen["a"][0] == pytest.approx(seen["b"][0], abs=1e-12)  # task 0's fold critic never saw task 0
     # ... and a task in another fold is valued by a critic that did see task 0, so flipping it shows (the test
     # would pass trivially if the fold critics ignored returns).
