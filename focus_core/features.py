@@ -77,17 +77,12 @@ def _hashed_column(gram: str, dim: int, seed: int) -> tuple[int, float]:
     return column, sign
 
 
-def policy_context_features(model, contexts: Sequence[Sequence[int]], *, batch_size: int = 16) -> np.ndarray:
-    """Mean-pooled last hidden states of a causal LM over each context: the critic's state features.
-
-    The critic reads the state the way the policy does (DESIGN.md, "Models and generation"): each
-    compressed context is run through the policy's decoder once, without gradients, and its hidden
-    states are averaged over the context's tokens. Returns float32 [len(contexts), hidden_size].
-    """
+def context_hidden_states(model, contexts: Sequence[Sequence[int]], *, batch_size: int = 16):
+    """The causal LM's last hidden states over each context, without gradients, ``batch_size`` contexts at a time
+    (right-padded): yields (hidden [b, width, hidden_size] in the model's dtype, mask [b, width]) per batch."""
     import torch
 
     decoder = model.get_decoder()
-    rows = []
     with torch.no_grad():
         for start in range(0, len(contexts), batch_size):
             chunk = [list(c) for c in contexts[start:start + batch_size]]
@@ -97,9 +92,20 @@ def policy_context_features(model, contexts: Sequence[Sequence[int]], *, batch_s
             for row, context in enumerate(chunk):
                 ids[row, : len(context)] = torch.tensor(context)
                 mask[row, : len(context)] = 1
-            hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-            weights = mask.unsqueeze(-1).to(hidden.dtype)
-            rows.append(((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)).float().numpy())
+            yield decoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask
+
+
+def policy_context_features(model, contexts: Sequence[Sequence[int]], *, batch_size: int = 16) -> np.ndarray:
+    """Mean-pooled last hidden states of a causal LM over each context: the critic's state features.
+
+    The critic reads the state the way the policy does (DESIGN.md, "Models and generation"): each
+    compressed context is run through the policy's decoder once, without gradients, and its hidden
+    states are averaged over the context's tokens. Returns float32 [len(contexts), hidden_size].
+    """
+    rows = []
+    for hidden, mask in context_hidden_states(model, contexts, batch_size=batch_size):
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        rows.append(((hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)).float().numpy())
     if not rows:
         return np.zeros((0, model.config.hidden_size), dtype=np.float32)
     return np.concatenate(rows).astype(np.float32)
