@@ -152,8 +152,10 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
     own = np.where(counted, states.column("own_return").to_numpy(), 0.0)
 
     distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
-    continuations = branch_returns(ctx, branches)
-    # Each continuation's state (as an index into `distinct`) and return.
+    # Each continuation's state (as an index into `distinct`) and return; one from a state no main episode of this
+    # iteration visited has no row to value and is left out.
+    visited = set(distinct)
+    continuations = [c for c in branch_returns(ctx, branches) if c[0] in visited]
     at = np.searchsorted(distinct, np.array([c[0] for c in continuations], dtype=object)).astype(np.int64)
     branch_return = np.array([c[1] for c in continuations], dtype=np.float64)
     branch_sum = np.bincount(at, weights=branch_return, minlength=len(distinct))
