@@ -376,6 +376,10 @@ class FocusConfig(_Section):
         description="a diagnostic, not a method (trap environments, Markov context): the advantage stage uses the "
         "exact V^π of the sampling policy at every segment state in place of V̂, so a run shows what a perfect "
         "critic would buy; the critic is still fitted and branching is unchanged")
+    exact_values_share: float = Field(
+        1.0, ge=0.0, le=1.0, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="with exact_values: the values are this share of V^π plus the rest of V̂, so the critic's "
+        "error against V^π shrinks by that share (1: a perfect critic; 0: the fitted critic, with its error measured)")
 
     @model_validator(mode="before")
     @classmethod
@@ -445,6 +449,9 @@ class FocusConfig(_Section):
         if self.exact_values and method.values not in ("critic", "monte_carlo"):
             problems.append(f"exact_values: {method.name} takes no state values (it uses {method.values}), so there "
                             f"is nothing to replace (fix: remove it, or use method=focus or vineppo)")
+        if self.exact_values_share != 1.0 and not self.exact_values:
+            problems.append(f"exact_values_share: {self.exact_values_share:g} mixes V^π into the values only with "
+                            f"exact_values (fix: exact_values=true, or remove exact_values_share)")
         if self.exact_values and (self.agent.compression != "observation" or self.agent.top_p != 1.0):
             problems.append("exact_values: exact values need the Markov context and the untruncated sampler "
                             "(fix: agent.compression=observation and agent.top_p=1)")

@@ -20,6 +20,8 @@ VinePPO's r_k + V̂(s_{k+1}) rule. A continuation the budget cut is masked like 
 ``exact_values`` (a diagnostic on the trap environments): every V̂ above is replaced by the exact V^π of the
 policy that sampled the iteration at that state (``ExactEvaluator.values_at``), so a run shows what a perfect
 critic would buy at the same budget; the figure ``estimated_value_error`` is mean |V̂ − V^π| over the batch.
+``exact_values_share`` s < 1 uses s·V^π + (1 − s)·V̂ instead, a critic whose error is (1 − s) times the fitted
+one's, in the same direction (figure ``value_error``): how good a critic must be before its credit pays.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, env_factory, load_value_head
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
-READS = ("method", "advantage", "ppo.train_on_continuations", "exact_values", "critic.fold_unit")
+READS = ("method", "advantage", "ppo.train_on_continuations", "exact_values", "exact_values_share",
+         "critic.fold_unit")
 # The states columns the batch and the advantages table read (main and continuation states alike).
 COLUMNS = (*STATE_KEYS, "segment_reward", "segment_generated_tokens")
 
@@ -89,9 +92,11 @@ def compute(ctx: RunContext, segment: Manifest, values: Manifest | None, rollout
     if method.values in ("critic", "monte_carlo"):
         batch["values"] = np.array([value_of[key] for key in zip(episode, segment_idx, strict=True)])
         if cfg.exact_values:
-            estimated = batch["values"]
-            batch["values"] = _exact_values(ctx, states, rollout, sampler, branches)
-            exact_figures = {"estimated_value_error": float(np.mean(np.abs(estimated - batch["values"])))}
+            estimated, exact = batch["values"], _exact_values(ctx, states, rollout, sampler, branches)
+            share = cfg.exact_values_share
+            batch["values"] = exact if share == 1.0 else share * exact + (1.0 - share) * estimated
+            exact_figures = {"estimated_value_error": float(np.mean(np.abs(estimated - exact))),
+                             "value_error": float(np.mean(np.abs(batch["values"] - exact)))}
     elif method.values == "value_head":
         sequences = training_sequences(read(ctx, rollout, "rollouts"), episode_ids=ids)
         model = sampler()

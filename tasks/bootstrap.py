@@ -18,6 +18,7 @@ model settings (its tokenizer was trained on that env's text).
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from focus_core.agent.harness import AgentRunner
-from focus_core.agent.sft import warm_start
+from focus_core.agent.sft import clock_cut_warning, warm_start
 from focus_core.artifacts import ArtifactStore, Manifest
 from focus_core.config import FocusConfig
 from focus_core.policy.models import load_policy
@@ -34,6 +35,7 @@ from tasks.progress import GenerationBar
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "bootstrap"
+log = logging.getLogger("focus")
 # What a bootstrap trained here reads; a copy (bootstrap.init_from) is versioned by its source instead.
 READS = ("seed", "env.name", "env.tier", "env.options", "model", "bootstrap", "agent", "budget.measure_episodes",
          "budget.prompts_per_iteration", "budget.group_size_grpo")
@@ -106,7 +108,10 @@ def compute(ctx: RunContext, scratch: Path) -> StageResult:
 
             policy, report = warm_start(env_factory(ctx), tasks(ctx, "train"), cfg.agent, cfg.model, cfg.bootstrap,
                                         seed=seed, progress=progress)
-        figures = {"sft_steps": report.steps, "sft_epochs": report.epochs_done, "sft_loss": report.final_loss,
+        if warning := clock_cut_warning(report, cfg.bootstrap):
+            log.warning("[it 0] bootstrap: %s", warning)
+        figures = {"sft_steps": report.steps, "sft_planned_steps": report.planned_steps,
+                   "sft_epochs": report.epochs_done, "sft_loss": report.final_loss,
                    "parameters": sum(p.numel() for p in policy.model.parameters())}
     else:
         policy = load_policy(cfg.model.source)

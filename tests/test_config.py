@@ -258,6 +258,8 @@ def test_config_error_is_a_value_error():
             r"exact_values: grpo takes no state values.*method=focus or vineppo",
         ),
         (["exact_values=true"], r"exact_values: exact values need the Markov context.*agent.compression=observation"),
+        (["exact_values_share=0.5"], r"exact_values_share: 0.5 mixes V\^π into the values only with exact_values "
+                                     r"\(fix: exact_values=true"),
     ],
 )
 def test_unsupported_combinations_fail_fast_with_reason_and_fix(overrides, expected):
@@ -409,6 +411,10 @@ def test_exact_values_enter_the_advantage_stages_version_only_when_set():
     off, on = (RunContext(None, "r", load_config(None, [*markov, *extra])) for extra in ([], ["exact_values=true"]))
     assert "exact_values" not in off.fields(*READS) and on.fields(*READS)["exact_values"] is True
     assert {k: v for k, v in on.fields(*READS).items() if k != "exact_values"} == off.fields(*READS)
+    # Its share, added later still: at its default 1 (the perfect critic) the committed exact_values runs keep theirs.
+    half = RunContext(None, "r", load_config(None, [*markov, "exact_values=true", "exact_values_share=0.5"]))
+    assert "exact_values_share" not in on.fields(*READS) and half.fields(*READS)["exact_values_share"] == 0.5
+    assert {k: v for k, v in half.fields(*READS).items() if k != "exact_values_share"} == on.fields(*READS)
 
 
 def test_critic_prior_variance_enters_fit_critics_version_only_when_set():

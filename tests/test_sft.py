@@ -67,3 +67,27 @@ def test_labelled_token_loss_equals_the_full_causal_lm_loss():
         both = labelled_token_loss(policy.model, ids, labels, mask, context_weight=0.5)
     assert torch.allclose(ours, reference, atol=1e-5)
     assert torch.allclose(both, reference + 0.5 * context, atol=1e-5)
+
+
+def test_a_step_bounded_warm_start_that_the_clock_cut_short_says_so():
+    """``bootstrap.max_steps`` promises the same warm start on any machine; under load ``max_seconds`` could
+    stop it first (a grid's bootstraps differed from an idle run's this way), and that must not pass silently."""
+    from focus_core.agent.sft import clock_cut_warning
+    from focus_core.config import BootstrapConfig
+
+    tokenizer = train_tokenizer(["alpha beta gamma delta"] * 4, vocab_size=300)
+    policy = tiny_policy(tokenizer, layers=1, hidden=32, heads=2, intermediate=64)
+    rng = np.random.default_rng(0)
+    sequences = [(ids, ids) for ids in (rng.integers(6, len(tokenizer), size=12).tolist() for _ in range(8))]
+
+    cut = supervised_finetune(policy.model, sequences, epochs=1e6, max_steps=1_000_000, max_seconds=0.2)
+    assert 0 < cut.steps < cut.planned_steps == 1_000_000
+    warning = clock_cut_warning(cut, BootstrapConfig(max_steps=1_000_000, max_seconds=0.2))
+    assert warning is not None and f"after {cut.steps:,} of 1,000,000 steps" in warning
+    assert "bootstrap.max_seconds" in warning and "fix:" in warning
+
+    whole = supervised_finetune(policy.model, sequences, epochs=1e6, max_steps=3, max_seconds=600)
+    assert whole.steps == whole.planned_steps == 3
+    assert clock_cut_warning(whole, BootstrapConfig(max_steps=3, max_seconds=600)) is None
+    # Without max_steps the clock is the intended bound (the embedded default): nothing to warn about.
+    assert clock_cut_warning(cut, BootstrapConfig(max_seconds=0.2)) is None

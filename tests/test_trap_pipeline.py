@@ -494,8 +494,8 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
         + "exact_values: true\n")
     focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "exact", cwd=tmp_path)
     store = ArtifactStore(tmp_path / "runs")
-    figures = store.manifest("exact", 0, "advantage").figures
-    assert figures["estimated_value_error"] > 0.0 and figures["continuation_segments"] > 0
+    advantage_figures = store.manifest("exact", 0, "advantage").figures
+    assert advantage_figures["estimated_value_error"] > 0.0 and advantage_figures["continuation_segments"] > 0
     advantages = {(r["episode_id"], r["segment_idx"]): r["value"] for r in table_rows(store, "exact", "advantages")}
     env = make_env("combination_lock", train_tasks=48, heldout_tasks=16)
     tasks = {t.task_id: t for t in env.tasks("train")}
@@ -555,6 +555,24 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
                                         store.manifest("exact", 0, "bootstrap"), Path(scratch), branches)
     assert len(loads) == 1
     assert again.tables["advantages"].to_pylist() == store.read_table("exact", 0, "advantage", "advantages").to_pylist()
+    # exact_values_share: 0 keeps the fitted V̂ (its error measured), 0.5 lies halfway between V̂ and V^π at every
+    # state, main and continuation alike, with half of V̂'s error.
+    values = {}
+    for share in (0.0, 0.5):
+        config = validate_config(store.run_info("exact")["config"] | {"exact_values_share": share})
+        with tempfile.TemporaryDirectory() as scratch:
+            values[share] = tasks.advantage.compute(
+                RunContext(store, "exact", config), store.manifest("exact", 0, "segment"),
+                store.manifest("exact", 0, last_round), store.manifest("exact", 0, "rollout"),
+                store.manifest("exact", 0, "bootstrap"), Path(scratch), branches)
+    perfect = again.tables["advantages"].column("value").to_numpy()
+    fitted, half = (values[share].tables["advantages"].column("value").to_numpy() for share in (0.0, 0.5))
+    error = advantage_figures["estimated_value_error"]
+    assert np.abs(fitted - perfect).mean() == pytest.approx(error)
+    assert half == pytest.approx((fitted + perfect) / 2, abs=1e-12)
+    assert values[0.0].figures["value_error"] == pytest.approx(error)
+    assert values[0.5].figures["value_error"] == pytest.approx(error / 2)
+    assert values[0.5].figures["estimated_value_error"] == pytest.approx(error)
 
 
 @pytest.mark.slow

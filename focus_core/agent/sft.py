@@ -36,6 +36,7 @@ class SFTReport:
     trained_tokens: int
     final_loss: float
     seconds: float
+    planned_steps: int  # the steps epochs and max_steps allow; fewer were taken when max_seconds stopped first
 
 
 def warm_start(env_factory: Callable[[], ToolEnv], train_tasks: Sequence[Task], agent_config: AgentConfig,
@@ -146,7 +147,18 @@ def supervised_finetune(model: torch.nn.Module, sequences: Sequence[tuple[list[i
                     progress(step, loss_value)
     finally:
         model.eval()
-    return SFTReport(len(sequences), step, step / len(batches), tokens, loss_value, time.perf_counter() - started)
+    return SFTReport(len(sequences), step, step / len(batches), tokens, loss_value, time.perf_counter() - started,
+                     total_steps)
+
+
+def clock_cut_warning(report: SFTReport, bootstrap: BootstrapConfig) -> str | None:
+    """One line when a warm start bounded by ``max_steps`` was stopped by ``max_seconds`` first: its weights
+    then depend on the machine's load (a grid's concurrent bootstraps ran fewer steps than an idle one)."""
+    if bootstrap.max_steps is None or report.steps >= report.planned_steps:
+        return None
+    return (f"SFT stopped by bootstrap.max_seconds = {bootstrap.max_seconds:g} after {report.steps:,} of "
+            f"{report.planned_steps:,} steps, so this warm start depends on the machine's load (fix: raise "
+            f"bootstrap.max_seconds, or start every run from one bootstrap with --init)")
 
 
 def labelled_token_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor,
