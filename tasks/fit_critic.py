@@ -28,6 +28,7 @@ PPO+GAE takes its values from the policy's value head (stage advantage); the GRP
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from focus_core.schemas import FLOATS, schema_for
 from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read, state_keys
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
+log = logging.getLogger("focus")
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
 # acquisition.jitter: the floor of the out-of-fold variance before it is combined with the returns.
@@ -202,9 +204,14 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
             return critic
 
         full = fit(None)
-        if full is None:
-            raise ValueError(f"[it {iteration}] fit_critic: no state has a return (every main episode was cut by "
-                             f"the budget); fix: a larger budget.tokens_per_iteration")
+        if full is None:  # nothing to fit, and nothing the update trains: every episode was masked
+            log.warning("[it %d] fit_critic: no state has a return (the budget cut every main episode): the values "
+                        "are the flat prior and the critic stays the last one fitted (fix: a larger "
+                        "budget.tokens_per_iteration)", iteration)
+            flat = np.full(len(state_ids), FLAT_PRIOR[0])
+            figures["mean_value"] = FLAT_PRIOR[0]
+            return StageResult(tables={"values": _values_table(states, None, None, mc_mean, n, flat, None)},
+                               figures=figures, policy_version=segment.policy_version)
         # A method with a critic but no acquisition (ppo_gae) floors at the schema's default jitter.
         floor = (cfg.acquisition or AcquisitionConfig()).jitter
         # Out-of-fold prior of every row, from the critic fitted without its fold's returns.
@@ -244,16 +251,21 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
             figures["oof_critic_vs_mc_mae"] = float(np.abs(critic_mean[first][branched] - branch_mean).mean())
             figures["critic_vs_mc_mae"] = float(np.abs(full_mean[branched] - branch_mean).mean())
         figures |= acquisition_check(ctx, iteration, round_idx, branches)
+    tables["values"] = _values_table(states, critic_mean, critic_var, mc_mean, n, value, value_var)
+    figures["mean_value"] = float(np.mean(value))
+    return StageResult(tables=tables, folders=folders, figures=figures, policy_version=segment.policy_version)
+
+
+def _values_table(states: pa.Table, critic_mean: np.ndarray | None, critic_var: np.ndarray | None,
+                  mc_mean: np.ndarray, n: np.ndarray, value: np.ndarray, value_var: np.ndarray | None) -> pa.Table:
     rows = states.num_rows
-    tables["values"] = pa.table({
+    return pa.table({
         **state_keys(states),
         "critic_mean": floats_or_nulls(critic_mean, rows), "critic_var": floats_or_nulls(critic_var, rows),
         "mc_mean": pa.array([None if k == 0 else float(m) for k, m in zip(n, mc_mean, strict=True)], pa.float64()),
         "n": pa.array(n.astype(np.int32), pa.int32()), "value": pa.array(value, pa.float64()),
         "value_var": floats_or_nulls(value_var, rows),
     }, schema=schema_for("values"))
-    figures["mean_value"] = float(np.mean(value))
-    return StageResult(tables=tables, folders=folders, figures=figures, policy_version=segment.policy_version)
 
 
 def out_of_fold_values(ctx: RunContext, values: Manifest, task_ids: Sequence[str], episode_ids: Sequence[str],

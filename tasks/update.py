@@ -66,6 +66,9 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
     cfg = ctx.config
     sources = [rollout] + ([m for m in branches if not m.skipped] if cfg.ppo.train_on_continuations else [])
     sequences, part = update_sequences([(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in sources])
+    seed = ctx.seed(iteration, STAGE)
+    if not any(np.any(q.loss_mask) for q in sequences):  # before whitening, which has nothing to whiten either
+        return _unchanged(ctx, iteration, policy_manifest, scratch, seed)
     value_returns = old_values = None
     if "token_advantages" in advantages.tables:
         per_token = _per_sequence(read(ctx, advantages, "token_advantages"), sequences)
@@ -76,9 +79,6 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
         flat, mask = np.concatenate(token_adv), np.concatenate([s.loss_mask for s in sequences])
         flat = whiten(flat, mask)
         token_adv = np.split(flat, np.cumsum([len(a) for a in token_adv])[:-1])
-    seed = ctx.seed(iteration, STAGE)
-    if not any(np.any(q.loss_mask) for q in sequences):
-        return _unchanged(ctx, iteration, policy_manifest, scratch, seed)
     if cfg.ppo.processes > 1:  # the same update, split over processes (tasks/update_dp.py)
         report = train_in_processes(ctx, policy_manifest, reference, sequences, token_adv, value_returns, old_values,
                                     seed, scratch)

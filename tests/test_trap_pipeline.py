@@ -577,23 +577,33 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("on_prefect_server")
-def test_an_iteration_whose_every_episode_the_budget_cut_leaves_the_policy_unchanged(tmp_path: Path):
+@pytest.mark.parametrize("method", ["grpo", "focus"])
+def test_an_iteration_whose_every_episode_the_budget_cut_leaves_the_policy_unchanged(tmp_path: Path, method: str):
     """A policy whose episodes outgrow B_tok (seen: GRPO drifting off the menus on the 5-hop chain) gets every main
     episode cut and masked: the update has nothing to train. The run goes on with the policy unchanged (it crashed
-    the run, and with it a whole `focus compare` grid)."""
+    the run, and with it a whole `focus compare` grid). With a critic (seen: `focus_nobranch` at λ = 0 on the chain)
+    fit_critic has no return to fit: its values are the flat prior and it commits no critic (it crashed too)."""
     from focus_core.artifacts import ArtifactStore
-    from tasks.inputs import POLICY_FOLDER
+    from tasks.fit_critic import FLAT_PRIOR
+    from tasks.inputs import CRITIC_FOLDER, POLICY_FOLDER
     from tests.test_pipeline import focus
 
     config = tmp_path / "trap.yaml"
-    config.write_text(TRAP_CONFIG.format(env="lookup_chain").replace("method: focus", "method: grpo")
-                      .replace("budget: {", "budget: {tokens_per_iteration: 6, ")
-                      + "acquisition: null\ncritic: null\n")
+    text = TRAP_CONFIG.format(env="lookup_chain").replace("budget: {", "budget: {tokens_per_iteration: 6, ")
+    if method == "grpo":
+        text = text.replace("method: focus", "method: grpo") + "acquisition: null\ncritic: null\n"
+    config.write_text(text)
     focus("train", "--config", str(config), "--store", str(tmp_path / "runs"), "--run-id", "cut", cwd=tmp_path)
     store = ArtifactStore(tmp_path / "runs")
     assert store.run_info("cut")["status"] == "finished"
     episodes = store.read_table("cut", 0, "rollout", "episodes").to_pylist()
     assert episodes and all(e["budget_cut"] for e in episodes)
+    if method == "focus":
+        fit = store.manifest("cut", 0, "fit_critic_r0")
+        assert CRITIC_FOLDER not in fit.files and fit.figures["returns"] == 0
+        values = store.read_table("cut", 0, "fit_critic_r0", "values").to_pylist()
+        assert values and all(v["value"] == FLAT_PRIOR[0] and v["n"] == 0 for v in values)
+        assert all(a["advantage"] == 0.0 for a in store.read_table("cut", 0, "advantage", "advantages").to_pylist())
     update = store.manifest("cut", 0, "update")
     assert update.figures["steps"] == 0 and update.figures["policy_tokens"] == 0
     assert update.policy_version == 1 and store.read_table("cut", 0, "update", "updates").num_rows == 0
