@@ -16,7 +16,10 @@ index as the pipeline's features have it:
 * ``last``: the last token's hidden state;
 * ``tail_mean``: the mean over the tokens after the prefix every context of the iteration shares (the system
   prompt and the start of the user turn), so the part that differs between states is not averaged away;
-* ``segment_only``: the segment index alone (what the critic knows without reading the context).
+* ``segment_only``: the segment index alone (what the critic knows without reading the context);
+* ``text``: hashed word unigrams and bigrams (``focus_core.features.hashed_text_features``, 256 columns) of the
+  context's text after the shared prefix: the tool outputs and notes themselves, read without the policy;
+* ``mean+text``: ``mean`` and ``text`` side by side.
 
 ``constant_mae`` is the error of one constant (the iteration's mean return) for scale.
 
@@ -36,7 +39,7 @@ from focus_core.acquisition import combine_estimates
 from focus_core.artifacts import ArtifactStore
 from focus_core.config import AcquisitionConfig, validate_config
 from focus_core.critic import EnsembleCritic
-from focus_core.features import context_hidden_states
+from focus_core.features import context_hidden_states, hashed_text_features
 from focus_core.ids import derive_seed
 from focus_core.policy.models import load_policy
 from tasks.fit_critic import FLAT_PRIOR, episode_fold, stage_name, task_folds
@@ -68,11 +71,21 @@ def _shared_prefix(contexts: Sequence[Sequence[int]]) -> int:
     return length
 
 
-def feature_maps(model, contexts: Sequence[Sequence[int]], segment_idx: np.ndarray) -> dict[str, np.ndarray]:
+TEXT_DIM = 256
+
+
+def feature_maps(model, contexts: Sequence[Sequence[int]], segment_idx: np.ndarray,
+                 decode=None) -> dict[str, np.ndarray]:
+    """Every feature map of the module doc; ``text`` and ``mean+text`` only with ``decode`` (token ids -> text)."""
     pooled = pooled_hidden_states(model, contexts)
     index = segment_idx.astype(np.float32)[:, None]
     maps = {name: np.concatenate([x, index], axis=1) for name, x in pooled.items()}
     maps["segment_only"] = index
+    if decode is not None:
+        shared = _shared_prefix(contexts)
+        text = hashed_text_features([decode(list(c)[shared:]) for c in contexts], dim=TEXT_DIM)
+        maps["text"] = np.concatenate([text, index], axis=1)
+        maps["mean+text"] = np.concatenate([maps["mean"], text], axis=1)
     return maps
 
 
@@ -104,9 +117,10 @@ def iteration_errors(store: ArtifactStore, run_id: str, config, iteration: int) 
 
     segment = store.manifest(run_id, iteration, "segment")
     policy = next(m for _, _, m in store.committed(run_id) if m.hash == segment.upstream["policy"])
-    model = load_policy(store.fetch_folder(run_id, policy.iteration, policy.stage, POLICY_FOLDER)).model
+    sampler = load_policy(store.fetch_folder(run_id, policy.iteration, policy.stage, POLICY_FOLDER))
+    model = sampler.model
     contexts = states.column("context_token_ids").take(first).to_pylist()
-    maps = feature_maps(model, contexts, segment_idx[first])
+    maps = feature_maps(model, contexts, segment_idx[first], sampler.tokenizer.decode)
     pipeline = np.array(states.column("features").take(first).to_pylist(), dtype=np.float32)
     if not np.allclose(maps["mean"], pipeline, atol=1e-4):
         raise ValueError(f"iteration {iteration}: the recomputed mean features differ from the stored ones; the "

@@ -314,9 +314,17 @@ class PPOConfig(_Section):
 
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="ε: ratio clipped to [1−ε, 1+ε_high]")
     clip_eps_high: float | None = Field(None, gt=0.0, description="ε_high (clip-higher); default ε")
+    clip_ratio_c: float | None = Field(
+        None, gt=1.0, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="dual-clip c: a token with negative advantage loses at most c·|A| (verl's clip_ratio_c, 3.0 "
+        "there); null = plain PPO-clip")
     epochs: int = Field(2, ge=1, description="passes over the batch per iteration")
     lr: float = Field(1e-4, gt=0.0, description="policy learning rate (tiny default; ~1e-6 for LLMs)")
     kl_coef: float = Field(0.0, ge=0.0, description="coefficient of the k3 KL-to-reference loss")
+    target_kl: float | None = Field(
+        None, gt=0.0, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="early stop (SB3, CleanRL): the first minibatch whose KL to the sampling policy, measured before "
+        "its step, exceeds this takes no step, nor does any after it; null = every epoch runs in full")
     entropy_coef: float = Field(0.0, ge=0.0, description="coefficient of the entropy bonus")
     loss_agg: Literal["token_mean", "constant"] = Field(
         "token_mean", description="token_mean: sum / policy tokens; constant: sum / (C · sequences)"
@@ -563,6 +571,14 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 f"{path}: the top level must be a mapping of config sections, got {type(loaded).__name__}"
             )
         data = loaded
+    for override in overrides:
+        _apply_override(data, override)
+    return validate_config(data)
+
+
+def with_overrides(cfg: FocusConfig, overrides: list[str] | tuple[str, ...]) -> FocusConfig:
+    """``cfg`` with ``a.b=c`` overrides applied, validated again (e.g. a committed run's config, changed)."""
+    data = config_to_dict(cfg)
     for override in overrides:
         _apply_override(data, override)
     return validate_config(data)

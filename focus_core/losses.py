@@ -50,12 +50,16 @@ def ppo_clip_loss(
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    clip_ratio_c: float | None = None,
     agg: LossAggregation = "token_mean",
     constant_normaliser: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate loss, L = −Σ min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A) / normaliser.
 
     ρ = exp(logprobs − old_logprobs) per token. ``clip_eps_high`` (clip-higher) defaults to ``clip_eps``.
+    ``clip_ratio_c`` (dual-clip, Ye et al. 2020; verl's ``clip_ratio_c``) bounds the loss of a token with A < 0 by
+    −c·A: the plain surrogate grows without bound in ρ there (clipping only stops ρ from *improving* the objective),
+    so one token whose ratio ran away can dominate a minibatch's gradient. Such a token then gets no gradient.
     Aggregation over the masked per-token terms:
 
     * ``token_mean``: divide by the number of policy tokens in the batch;
@@ -63,13 +67,15 @@ def ppo_clip_loss(
       sequence's weight does not depend on its length.
 
     Returns the loss and detached statistics: ``clip_fraction`` (share of policy tokens where the clipped
-    term is the active one), ``approx_kl`` (mean of old − new logprob) and ``ratio_mean``.
+    or the dual-clip term is the active one), ``approx_kl`` (mean of old − new logprob) and ``ratio_mean``.
     """
     _check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, mask=mask)
     if logprobs.dim() != 2:
         raise ValueError(f"expected [sequences, tokens] tensors, got shape {tuple(logprobs.shape)}")
     if clip_eps <= 0 or (clip_eps_high is not None and clip_eps_high <= 0):
         raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps}, {clip_eps_high}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual-clip bounds ratios above it), got {clip_ratio_c}")
     keep = mask != 0
     zeros = torch.zeros_like(_as_float(logprobs))
     log_ratio = torch.where(keep, _as_float(logprobs) - _as_float(old_logprobs), zeros)
@@ -79,7 +85,14 @@ def ppo_clip_loss(
     upper = 1.0 + (clip_eps if clip_eps_high is None else clip_eps_high)
     unclipped = ratio * advantage
     clipped = torch.clamp(ratio, 1.0 - clip_eps, upper) * advantage
-    per_token_loss = torch.where(keep, -torch.minimum(unclipped, clipped), zeros)
+    surrogate = torch.minimum(unclipped, clipped)
+    if clip_ratio_c is not None:  # dual-clip: for A < 0 the objective is at least c·A
+        dual = clip_ratio_c * advantage
+        surrogate = torch.where(advantage < 0, torch.maximum(surrogate, dual), surrogate)
+        clipped_active = (clipped < unclipped) | ((advantage < 0) & (dual > unclipped))
+    else:
+        clipped_active = clipped < unclipped
+    per_token_loss = torch.where(keep, -surrogate, zeros)
 
     if agg == "token_mean":
         normaliser = keep.sum().clamp(min=1)
@@ -93,7 +106,7 @@ def ppo_clip_loss(
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": masked_mean((clipped < unclipped).to(zeros.dtype), keep).item(),
+            "clip_fraction": masked_mean(clipped_active.to(zeros.dtype), keep).item(),
             "approx_kl": masked_mean(-log_ratio, keep).item(),
             "ratio_mean": masked_mean(ratio, keep).item(),
         }

@@ -120,6 +120,8 @@ class UpdateReport:
     clip_fraction: float  # mean over steps
     entropy: float  # mean over steps
     approx_kl: float  # mean over steps of k3 KL(π_old ‖ π_θ), each measured before its step
+    kls_before: list[float]  # that KL per row
+    kl_stop_step: int | None  # the row whose KL exceeded ppo.target_kl; it and every later minibatch took no step
     behaviour_logprob_gap: float  # max |new − old| log-prob on the first minibatch (on-policy there)
     value_loss: float | None  # mean over steps of the value loss; None without a value head
     seconds: float
@@ -204,7 +206,9 @@ def policy_update(
     when ``config.kl_coef > 0``; given with kl_coef 0, the KL is only measured. ``value_head`` trains a value head
     jointly (updated in place, moved to the model's device) on ``value_returns``, with PPO value clipping against
     ``old_values`` when both they and ``value_clip`` are given; each row then has a ``value_loss``. ``progress``
-    is called with each step's row. ``data_parallel`` splits each minibatch over processes (``DataParallel``).
+    is called with each step's row. With ``config.target_kl`` the update stops at the first minibatch whose KL to
+    the sampling policy, measured before its step, exceeds it: that minibatch has a row but takes no step
+    (``UpdateReport.kl_stop_step``). ``data_parallel`` splits each minibatch over processes (``DataParallel``).
     Inputs are checked before any step: a non-finite advantage, old log-prob, return or old value at a trained
     position raises ``ValueError``.
     """
@@ -236,6 +240,7 @@ def policy_update(
     value = None if value_head is None else _ValueTerm(value_head, value_coef, value_clip)
     rows: list[dict[str, float | int]] = []
     approx_kls: list[float] = []
+    stopped_at: int | None = None
     gap = 0.0
     started = time.perf_counter()
     trained = np.array([int(mask[1:].sum()) for _, _, mask, _ in data])  # trained tokens per sequence
@@ -281,15 +286,24 @@ def policy_update(
                 # No gradient, no step (a minibatch whose every advantage is 0, with no KL, entropy or value term):
                 # AdamW would still move every weight by the momentum of earlier batches, a step without evidence.
                 # Measured: a GRPO iteration whose every group failed moved the policy to approx KL 0.11 that way.
-                if grad_norm.item() > 0.0:
+                kl_before = figures.pop("kl_before")
+                # ppo.target_kl: the policy already left the trust region on this minibatch (reduced over the
+                # processes, so all of them stop together); no step on it or on any later one.
+                if config.target_kl is not None and kl_before > config.target_kl:
+                    stopped_at = step
+                elif grad_norm.item() > 0.0:
                     optimizer.step()
 
-                approx_kls.append(figures.pop("kl_before"))
+                approx_kls.append(kl_before)
                 row = {"epoch": epoch, "step": step, **figures}
                 row.update(grad_norm=grad_norm.item(), lr=config.lr)
                 rows.append(row)
                 if progress:
                     progress(row)
+                if stopped_at is not None:
+                    break
+            if stopped_at is not None:
+                break
     finally:
         model.train(was_training)
     return UpdateReport(
@@ -301,6 +315,8 @@ def policy_update(
         clip_fraction=float(np.mean([r["clip_fraction"] for r in rows])),
         entropy=float(np.mean([r["entropy"] for r in rows])),
         approx_kl=float(np.mean(approx_kls)),
+        kls_before=approx_kls,
+        kl_stop_step=stopped_at,
         behaviour_logprob_gap=gap,
         value_loss=None if value is None else float(np.mean([r["value_loss"] for r in rows])),
         seconds=time.perf_counter() - started,
@@ -591,6 +607,7 @@ def _minibatch_loss(
         batch.mask,
         clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high,
+        clip_ratio_c=config.clip_ratio_c,
         agg=config.loss_agg,
         constant_normaliser=config.constant_normaliser,
     )

@@ -18,7 +18,8 @@ The optimizer's state (AdamW moments and step counts) is committed inside the po
 (``ppo.save_optimizer_state``, no pickles) and the next iteration continues from it, so a resumed run
 updates exactly as an uninterrupted one. ``focus_core.ppo.policy_update`` does the epochs; the new
 checkpoint is committed as folder ``policy`` at version + 1, with one ``updates`` row per step. With
-``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy.
+``ppo.kl_coef > 0`` the KL is taken to the bootstrap policy. With ``ppo.target_kl`` the update stops at the first
+minibatch whose KL to the sampling policy exceeds it (figure ``kl_stop_step``); ``ppo.clip_ratio_c`` is dual-clip.
 
 A minibatch with no gradient takes no optimizer step (``focus_core.ppo``). An iteration with no token to train (the
 budget cut every episode, all masked) commits the checkpoint unchanged at version + 1, with a warning line, and the
@@ -58,7 +59,7 @@ from tasks.update_dp import train_in_processes, worker
 
 log = logging.getLogger("focus")
 STAGE = "update"
-READS = ("seed", "ppo", "advantage.whiten", "agent.temperature", "lora")
+READS = ("seed", "ppo", "ppo.clip_ratio_c", "ppo.target_kl", "advantage.whiten", "agent.temperature", "lora")
 
 
 def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Manifest, policy_manifest: Manifest,
@@ -96,6 +97,10 @@ def compute(ctx: RunContext, iteration: int, rollout: Manifest, advantages: Mani
                "approx_kl": report.approx_kl, "logprob_gap": report.behaviour_logprob_gap}
     if report.value_loss is not None:
         figures["value_loss"] = report.value_loss
+    if report.kl_stop_step is not None:
+        figures["kl_stop_step"] = report.kl_stop_step
+        log.info("[it %d] update: stopped at step %d: the policy's approx KL to the sampling policy reached %.3g > "
+                 "ppo.target_kl = %g", iteration, report.kl_stop_step, report.kls_before[-1], cfg.ppo.target_kl)
     return StageResult(tables={"updates": pa.Table.from_pylist(rows, schema=schema_for("updates"))},
                        folders={POLICY_FOLDER: scratch / POLICY_FOLDER}, figures=figures,
                        policy_version=policy_version, seeds={"update": seed})

@@ -8,7 +8,7 @@ import pytest
 
 from bench import critic_features
 from focus_core.config import load_config
-from focus_core.features import policy_context_features
+from focus_core.features import hashed_text_features, policy_context_features
 from focus_core.policy.models import tiny_policy
 from focus_core.policy.tokenizer import train_tokenizer
 
@@ -32,6 +32,14 @@ def test_poolings_agree_with_the_pipeline_and_ignore_padding(model):
     maps = critic_features.feature_maps(model, contexts, np.array([0, 1, 2]))
     assert maps["segment_only"].tolist() == [[0.0], [1.0], [2.0]]
     assert maps["last"].shape == (3, 33) and maps["last"][:, -1].tolist() == [0.0, 1.0, 2.0]
+    assert "text" not in maps
+    # With a decoder: hashed words of the text after the shared prefix, beside the segment index, and beside mean.
+    words = {5: "look", 6: "up", 7: "the", 8: "answer", 9: "in", 10: "notes", 11: "chain", 12: "of"}
+    decode = lambda ids: " ".join(words.get(i, "x") for i in ids)  # noqa: E731
+    maps = critic_features.feature_maps(model, contexts, np.array([0, 1, 2]), decode)
+    assert maps["text"].shape == (3, critic_features.TEXT_DIM + 1) and maps["text"][:, -1].tolist() == [0.0, 1.0, 2.0]
+    assert np.allclose(maps["text"][1, :-1], hashed_text_features(["chain"], dim=critic_features.TEXT_DIM)[0])
+    assert np.allclose(maps["mean+text"], np.concatenate([maps["mean"], maps["text"][:, :-1]], axis=1))
 
 
 def test_shared_prefix():

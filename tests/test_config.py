@@ -417,6 +417,23 @@ def test_exact_values_enter_the_advantage_stages_version_only_when_set():
     assert {k: v for k, v in half.fields(*READS).items() if k != "exact_values_share"} == on.fields(*READS)
 
 
+def test_dual_clip_and_target_kl_enter_the_updates_version_only_when_set():
+    """Added after runs were committed: unset, the update stage's version is what it was before (the whole ppo
+    section is in it, so the stage names them beside it); set, each is in it by its own name."""
+    from tasks.stage import RunContext
+    from tasks.update import READS
+
+    plain = RunContext(None, "r", load_config(None, [])).fields(*READS)
+    assert "clip_ratio_c" not in plain["ppo"] and "target_kl" not in plain["ppo"]
+    assert "ppo.clip_ratio_c" not in plain and "ppo.target_kl" not in plain
+    guarded = RunContext(None, "r", load_config(None, ["ppo.clip_ratio_c=3", "ppo.target_kl=0.1"])).fields(*READS)
+    assert guarded["ppo.clip_ratio_c"] == 3.0 and guarded["ppo.target_kl"] == 0.1
+    assert {k: v for k, v in guarded.items() if not k.startswith("ppo.")} == plain
+    for bad, problem in (("ppo.clip_ratio_c=1", "clip_ratio_c"), ("ppo.target_kl=0", "target_kl")):
+        with pytest.raises(ConfigError, match=problem):
+            load_config(None, [bad])
+
+
 def test_critic_prior_variance_enters_fit_critics_version_only_when_set():
     from tasks.fit_critic import READS
     from tasks.stage import RunContext

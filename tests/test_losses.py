@@ -58,6 +58,30 @@ def test_ppo_clip_higher_widens_only_the_upper_bound():
     assert stats["clip_fraction"] == pytest.approx(3 / 5)
 
 
+def test_dual_clip_bounds_the_loss_of_negative_advantage_tokens_whose_ratio_ran_away():
+    """Dual-clip with c = 3 (verl's clip_ratio_c): a token with A < 0 loses at most c·|A| and gets no gradient beyond
+    it; tokens with A > 0, or with a ratio below c, are untouched."""
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    ratios = torch.tensor([[5.0, 2.0, 5.0, 0.5]], dtype=torch.float64)
+    new = torch.log(ratios).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4)
+    # Per-token −surrogate with ε = 0.2:
+    #   (5, A=−1): plain min(−5, −1.2) = −5 -> 5; dual max(−5, −3) = −3 -> 3, clipped (no gradient)
+    #   (2, A=−1): min(−2, −1.2) = −2, above −3 -> 2, gradient −ρA = 2
+    #   (5, A=+1): min(5, 1.2) = 1.2 -> −1.2, clipped
+    #   (0.5, A=−1): min(−0.5, −0.8) = −0.8 -> 0.8, clipped
+    plain, plain_stats = ppo_clip_loss(new, old, adv, mask, clip_eps=0.2)
+    assert plain.item() == pytest.approx((5 + 2 - 1.2 + 0.8) / 4)
+    dual, stats = ppo_clip_loss(new, old, adv, mask, clip_eps=0.2, clip_ratio_c=3.0)
+    assert dual.item() == pytest.approx((3 + 2 - 1.2 + 0.8) / 4)
+    assert plain_stats["clip_fraction"] == pytest.approx(2 / 4) and stats["clip_fraction"] == pytest.approx(3 / 4)
+    dual.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[0.0, 2.0 / 4, 0.0, 0.0]], dtype=torch.float64))
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        ppo_clip_loss(new, old, adv, mask, clip_ratio_c=1.0)
+
+
 def test_constant_normaliser_divides_by_c_times_sequences():
     new, old, adv, mask = hand_batch()
     constant, _ = ppo_clip_loss(new, old, adv, mask, agg="constant", constant_normaliser=10)

@@ -313,6 +313,24 @@ def test_every_method_spends_the_same_budget_from_the_same_start(shared_start, m
                    if r["iteration"] == 1)
 
 
+def test_a_committed_update_replays_exactly_and_with_overrides(shared_start):
+    """bench/replay_update.py: FOCUS's iteration-1 update again on its committed inputs (its continuations train
+    too) gives the committed figures exactly; with ``ppo.target_kl`` below any KL it stops on its second step."""
+    from bench.replay_update import replay
+
+    store = ArtifactStore(shared_start / "runs")
+    committed = store.manifest("focus", 1, "update").figures
+    again = replay(store, "focus", 1)
+    assert committed["policy_tokens_continuations"] > 0
+    for name in ("approx_kl", "clip_fraction", "steps"):
+        assert again[name] == committed[name], name
+    assert again["kl_stop_step"] is None and len(again["kls_before"]) == committed["steps"]
+    stopped = replay(store, "focus", 1, ["ppo.target_kl=1e-9"])
+    assert stopped["kl_stop_step"] == 1 and stopped["steps"] == 2  # on-policy before step 0, off it before step 1
+    with pytest.raises(SystemExit, match="no committed update at iteration 5"):
+        replay(store, "focus", 5)
+
+
 def test_init_from_a_missing_run_fails_in_one_line(tmp_path):
     out = focus("train", "--init", "nope", "--store", str(tmp_path / "runs"), cwd=tmp_path, check=False)
     assert out.returncode == 2 and "--init nope: no committed bootstrap of run 'nope'" in out.stderr

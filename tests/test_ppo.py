@@ -219,6 +219,42 @@ def test_clip_fraction_is_zero_on_policy_and_grows_after_a_large_step(policy, sa
     assert report.approx_kl > 0.0 and report.clip_fraction > 0.0
 
 
+class _Stop(Exception):
+    pass
+
+
+def test_target_kl_stops_at_the_first_minibatch_beyond_it_without_stepping_on_it(policy, sampled):
+    """``ppo.target_kl`` (SB3's and CleanRL's early stop): each minibatch's KL to the sampling policy is measured
+    before its step; the first one above target_kl takes no step, and no later one does. Seen: one update of a
+    critic run on the 5-hop chain (lr 1e-4, whitened advantages) went from KL ~0 to 0.73 in one ordinary step,
+    then to 2.2 over the remaining 38 steps, and the run never came back (td0_critic, seed 105)."""
+    advantages = _advantages(sampled, seed=1)
+    settings = {"epochs": 6, "lr": 3e-2}
+    _, free = _update(policy, sampled, advantages, config=settings, batch_tokens=64)
+    assert free.kl_stop_step is None and len(free.kls_before) == len(free.rows)
+    target = 0.05
+    beyond = next(step for step, kl in enumerate(free.kls_before) if kl > target)
+    assert 0 < beyond < len(free.rows) - 1  # the rate leaves the trust region partway through
+    guarded_model, guarded = _update(policy, sampled, advantages, config={**settings, "target_kl": target},
+                                     batch_tokens=64)
+    assert guarded.kl_stop_step == beyond and len(guarded.rows) == beyond + 1
+    np.testing.assert_allclose(guarded.kls_before, free.kls_before[: beyond + 1], rtol=1e-6, atol=1e-9)
+    assert guarded.approx_kl == pytest.approx(np.mean(guarded.kls_before))
+    # The stopping minibatch took no step: the weights are those of the free update after its first `beyond` steps.
+    def stop_after(row):
+        if row["step"] == beyond - 1:
+            raise _Stop
+    cut = copy.deepcopy(policy.model)
+    with pytest.raises(_Stop):
+        policy_update(cut, sampled, advantages, PPOConfig(**settings), temperature=T, batch_tokens=64,
+                      progress=stop_after)
+    for name, weight in cut.state_dict().items():
+        assert torch.equal(weight, guarded_model.state_dict()[name]), name
+    # A target no minibatch reaches changes nothing.
+    _, loose = _update(policy, sampled, advantages, config={**settings, "target_kl": 1e6}, batch_tokens=64)
+    assert loose.kl_stop_step is None and [r["loss"] for r in loose.rows] == [r["loss"] for r in free.rows]
+
+
 def test_kl_to_reference_starts_at_zero_and_pulls_back(policy, sampled):
     advantages = _advantages(sampled)
     reference = policy.model
