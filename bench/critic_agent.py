@@ -43,7 +43,6 @@ import argparse
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench import process_pool
 from bench.critic_budget import add_output_options, chosen_grid, nan_to_none, render, write_outputs
 from focus_core.acquisition import (
     STRATEGIES,
@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     rows: list[dict] = []
     infos: list[dict] = []
-    with ProcessPoolExecutor(max_workers=min(args.workers or len(grid["envs"]), len(grid["envs"]))) as pool:
+    with process_pool(min(args.workers or len(grid["envs"]), len(grid["envs"]))) as pool:
         futures = {env: pool.submit(run_env, env, grid, settings, args.store, args.init) for env in grid["envs"]}
         for env, future in futures.items():
             env_rows, info = future.result()

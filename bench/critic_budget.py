@@ -35,12 +35,12 @@ import json
 import os
 import time
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from bench import process_pool
 from focus_core.acquisition import (
     STRATEGIES,
     Candidates,
@@ -483,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     jobs = [(env, seed) for env in grid["envs"] for seed in range(args.first_seed, args.first_seed + grid["seeds"])]
     rows: list[dict] = []
-    with ProcessPoolExecutor(max_workers=args.workers) as pool:
+    with process_pool(args.workers) as pool:
         futures = [pool.submit(run_seed, env, seed, grid["budget_ratios"], grid["strategies"], settings)
                    for env, seed in jobs]
         for done, future in enumerate(futures, 1):

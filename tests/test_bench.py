@@ -46,6 +46,24 @@ def test_critic_budget_tiny_grid_writes_json_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def _start_method() -> str:
+    import multiprocessing
+
+    return multiprocessing.get_start_method()
+
+
+def test_bench_workers_are_fresh_processes_not_forks():
+    """A forked worker inherits the locks of threads that do not exist in it (torch's, Prefect's, xdist's): seen, a
+    forked critic-budget worker segfaulted in the garbage collector under CI. The benches' pools spawn."""
+    import bench.critic_agent
+    from bench import process_pool
+
+    with process_pool(1) as pool:
+        assert pool.submit(_start_method).result() == "spawn"
+    for module in (critic_budget, bench.critic_agent):
+        assert "ProcessPoolExecutor(" not in Path(module.__file__).read_text(), module.__name__
+
+
 def test_oracle_gap_captured_worked_example():
     """Seeds' MSE: uniform U, oracle O, strategy S. D = U − S = (6, 1, 5)e-3, G = U − O = (10, 4, 10)e-3, so
     R = mean D / mean G = 4 / 8 = 0.5; D − R·G = (1, −1, 0)e-3 has sd 1e-3, so se = 1e-3 / √3 / 8e-3 = 0.0722."""
