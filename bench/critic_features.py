@@ -82,11 +82,17 @@ def feature_maps(model, contexts: Sequence[Sequence[int]], segment_idx: np.ndarr
     maps = {name: np.concatenate([x, index], axis=1) for name, x in pooled.items()}
     maps["segment_only"] = index
     if decode is not None:
-        shared = _shared_prefix(contexts)
-        text = hashed_text_features([decode(list(c)[shared:]) for c in contexts], dim=TEXT_DIM)
-        maps["text"] = np.concatenate([text, index], axis=1)
-        maps["mean+text"] = np.concatenate([maps["mean"], text], axis=1)
+        maps["text"] = text_features(contexts, decode, segment_idx)
+        maps["mean+text"] = np.concatenate([maps["mean"], maps["text"][:, :-1]], axis=1)
     return maps
+
+
+def text_features(contexts: Sequence[Sequence[int]], decode, segment_idx: np.ndarray) -> np.ndarray:
+    """Hashed words of each context's text after the prefix all of them share, and the segment index:
+    float32 [len(contexts), TEXT_DIM + 1]."""
+    shared = _shared_prefix(contexts)
+    text = hashed_text_features([decode(list(c)[shared:]) for c in contexts], dim=TEXT_DIM)
+    return np.concatenate([text, segment_idx.astype(np.float32)[:, None]], axis=1)
 
 
 def iteration_errors(store: ArtifactStore, run_id: str, config, iteration: int) -> dict:
@@ -157,10 +163,12 @@ def out_of_fold(config, x: np.ndarray, inverse: np.ndarray, successes: np.ndarra
     return mean, var
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def exact_values_run(description: str, argv: Sequence[str] | None):
+    """The command line of a bench that reads an exact_values run: (args, store, config, iterations)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("run_id", help="a run trained with exact_values: true")
     parser.add_argument("--store", default="runs")
+    parser.add_argument("--iterations", default=None, help="comma-separated; default every committed one")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     store = ArtifactStore(args.store)
@@ -171,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not config.exact_values:
         parser.error(f"run {args.run_id} was not trained with exact_values: true; its advantages hold no V^π")
     iterations = sorted({i for i, stage, _ in store.committed(args.run_id) if stage == "advantage"})
+    if args.iterations is not None:
+        iterations = [int(i) for i in args.iterations.split(",")]
+    return args, store, config, iterations
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args, store, config, iterations = exact_values_run(__doc__.splitlines()[0], argv)
     out = {"run_id": args.run_id, "iterations": {i: iteration_errors(store, args.run_id, config, i)
                                                   for i in iterations}}
     text = json.dumps(out, indent=1)
