@@ -6,7 +6,8 @@ target is the exact TD(0) advantage of every main segment, A*_k = r_k + V^π(s_{
 ``exact_values: true``, ``advantage.lam: 0`` run trains on; the script checks that it recomputes the committed one).
 From the same episodes it computes
 
-* ``grpo``: the group-normalised return, (R − mean of the group) / std of the group, on every segment;
+* ``grpo``: the group-normalised return of each episode, (R − mean of the group) / std of the group
+  (``focus_core.advantages.grpo_advantages``), on every segment of it;
 * ``td0 F`` and ``td1 F``: r_k + V̂(s_{k+1}) − V̂(s_k) and R − V̂(s_k), with V̂ refitted as fit_critic does with
   ``critic.fold_unit: episode`` (an out-of-fold prior combined by precision with the state's leave-one-out returns),
   on feature map F: ``mean``, the pipeline's own features, or ``text``, hashed words of the context
@@ -28,29 +29,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bench.critic_features import exact_values_run, out_of_fold, text_features
-from focus_core.acquisition import combine_estimates
+from bench.critic_features import episode_folds, exact_iteration, exact_values_run, fitted_values, text_features
+from focus_core.advantages import grpo_advantages, segment_td_lambda_batch
 from focus_core.artifacts import ArtifactStore
-from focus_core.ids import derive_seed
 from focus_core.policy.models import load_policy
-from tasks.fit_critic import episode_fold, stage_name
 from tasks.inputs import POLICY_FOLDER
 
 DECISIVE = 0.1  # |A*| above which a segment's sign is counted
 
 
-def td0(reward: np.ndarray, value: np.ndarray, following: np.ndarray) -> np.ndarray:
-    """r_k + V(s_{k+1}) − V(s_k) per row; ``following`` is the row of the episode's next segment, −1 after its last."""
-    return reward + np.where(following >= 0, value[np.maximum(following, 0)], 0.0) - value
-
-
-def following_rows(episode_ids: np.ndarray, segment_idx: np.ndarray) -> np.ndarray:
-    """Per row, the row of the same episode's next segment, or −1 for its last segment."""
+def segment_advantages(reward: np.ndarray, value: np.ndarray, episode_ids: np.ndarray, segment_idx: np.ndarray, *,
+                       lam: float) -> np.ndarray:
+    """TD(λ) advantages (γ = 1) of rows in any order, by ``focus_core.advantages.segment_td_lambda_batch``: the rows
+    sorted by (episode, segment) for it, each episode's value after its last segment 0, and back in their order."""
     order = np.lexsort((segment_idx, episode_ids))
-    following = np.full(len(episode_ids), -1)
-    same = episode_ids[order[:-1]] == episode_ids[order[1:]]
-    following[order[:-1][same]] = order[1:][same]
-    return following
+    sorted_ids = episode_ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    values = np.insert(value[order], ends, 0.0)  # K_i + 1 values per episode
+    advantages, _ = segment_td_lambda_batch(reward[order], values, ends - starts, gamma=1.0, lam=lam)
+    out = np.empty(len(order))
+    out[order] = advantages
+    return out
 
 
 def agreement(estimate: np.ndarray, exact: np.ndarray, weight: np.ndarray) -> dict[str, float]:
@@ -67,62 +67,43 @@ def agreement(estimate: np.ndarray, exact: np.ndarray, weight: np.ndarray) -> di
 
 
 def iteration_agreement(store: ArtifactStore, run_id: str, config, iteration: int, decode) -> dict:
-    states = store.read_table(run_id, iteration, "segment", "states")
-    episodes = store.read_table(run_id, iteration, "rollout", "episodes")
+    rows = exact_iteration(store, run_id, config, iteration)
+    episodes, kept = rows.episodes, rows.counted
+    reward = rows.states.column("segment_reward").to_numpy()
+    weight = rows.states.column("segment_generated_tokens").to_numpy().astype(float)
+    advantages = lambda value, lam: segment_advantages(reward, value, rows.episode_ids, rows.segment_idx,  # noqa: E731
+                                                       lam=lam)
+    target = advantages(rows.exact, 0.0)
     committed = store.read_table(run_id, iteration, "advantage", "advantages")
-    key = lambda table: zip(table.column("episode_id").to_pylist(), table.column("segment_idx").to_pylist(),  # noqa: E731
-                            strict=True)
-    exact_value = dict(zip(key(committed), committed.column("value").to_pylist(), strict=True))
-    exact_advantage = dict(zip(key(committed), committed.column("advantage").to_pylist(), strict=True))
-    episode_ids = np.array(states.column("episode_id").to_pylist(), dtype=object)
-    segment_idx = states.column("segment_idx").to_numpy()
-    row_of = {e: i for i, e in enumerate(episodes.column("episode_id").to_pylist())}
-    rows = [row_of[e] for e in episode_ids]
-    cut = np.array(episodes.column("budget_cut").to_pylist())[rows]
-    episode_return = episodes.column("reward").to_numpy()[rows]
-    group = np.array(episodes.column("group_id").to_pylist(), dtype=object)[rows]
-    kept = ~cut
-    reward, weight = states.column("segment_reward").to_numpy(), states.column("segment_generated_tokens").to_numpy()
-    exact = np.array([exact_value[k] for k in key(states)])
-    following = following_rows(episode_ids, segment_idx)
-    target = td0(reward, exact, following)
-    committed_target = np.array([exact_advantage[k] for k in key(states)])
+    committed_of = dict(zip(zip(committed.column("episode_id").to_pylist(), committed.column("segment_idx").to_pylist(),
+                                strict=True), committed.column("advantage").to_pylist(), strict=True))
+    committed_target = np.array([committed_of[k] for k in zip(rows.episode_ids, rows.segment_idx.tolist(),
+                                                                  strict=True)])
     if not np.allclose(target[kept], committed_target[kept], atol=1e-9):
         raise ValueError(f"iteration {iteration}: the committed advantages are not TD(0) of the exact values (the run "
                          f"needs exact_values: true and advantage.lam: 0, gamma 1)")
 
-    # fit_critic's values with episode folds: an out-of-fold prior per row, combined with its leave-one-out returns.
-    own = np.where(kept, states.column("own_return").to_numpy(), 0.0)
-    state_ids = np.array(states.column("state_id").to_pylist(), dtype=object)
-    distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
-    seed = derive_seed(config.seed, iteration, stage_name(0), "folds")
-    fold = np.array([episode_fold(e, config.critic.folds, seed) for e in episode_ids])
-    successes = np.bincount(inverse, weights=own, minlength=len(distinct))
-    trials = np.bincount(inverse, weights=kept.astype(float), minlength=len(distinct))
-    n = trials[inverse] - kept
-    loo_mean = np.divide(successes[inverse] - own, n, out=np.full(len(n), np.nan), where=n > 0)
-    contexts = states.column("context_token_ids").take(first).to_pylist()
-    maps = {"mean": np.array(states.column("features").take(first).to_pylist(), dtype=np.float32),
-            "text": text_features(contexts, decode, segment_idx[first])}
-    floor = config.acquisition.jitter if config.acquisition else 1e-4
-
-    mean_of = {g: episode_return[(group == g) & kept].mean() for g in set(group[kept])}
-    std_of = {g: episode_return[(group == g) & kept].std(ddof=1) for g in set(group[kept])}
-    grpo = np.array([(r - mean_of[g]) / (std_of[g] + 1e-6) if k else 0.0
-                     for r, g, k in zip(episode_return, group, kept, strict=True)])
-    estimates = {"grpo": grpo}
+    # GRPO's advantage of each episode the budget did not cut, on every one of its segments.
+    whole = ~np.array(episodes.column("budget_cut").to_pylist())
+    episode_ids = np.array(episodes.column("episode_id").to_pylist(), dtype=object)[whole]
+    per_episode = grpo_advantages(episodes.column("reward").to_numpy()[whole],
+                                  np.array(episodes.column("group_id").to_pylist(), dtype=object)[whole])
+    grpo_of = dict(zip(episode_ids, per_episode, strict=True))
+    estimates = {"grpo": np.array([grpo_of.get(e, 0.0) for e in rows.episode_ids])}
+    contexts = rows.states.column("context_token_ids").take(rows.first).to_pylist()
+    maps = {"mean": np.array(rows.states.column("features").take(rows.first).to_pylist(), dtype=np.float32),
+            "text": text_features(contexts, decode, rows.segment_idx[rows.first])}
     errors = {}
     for name, x in maps.items():
-        prior_mean, prior_var = out_of_fold(config, x, inverse, own, kept.astype(float), fold)
-        value, _ = combine_estimates(prior_mean, np.maximum(prior_var, floor), loo_mean, n)
-        errors[name] = float(np.abs(value - exact)[kept].mean())
-        estimates[f"td0 {name}"] = td0(reward, value, following)
-        estimates[f"td1 {name}"] = episode_return - value
-        estimates[f"td0 half {name}"] = td0(reward, (value + exact) / 2, following)
+        _, value = fitted_values(config, rows, x, episode_folds(config, rows))
+        errors[name] = float(np.abs(value - rows.exact)[kept].mean())
+        estimates[f"td0 {name}"] = advantages(value, 0.0)
+        estimates[f"td1 {name}"] = advantages(value, 1.0)
+        estimates[f"td0 half {name}"] = advantages((value + rows.exact) / 2, 0.0)
     out = {"segments": int(kept.sum()), "decisive": int((np.abs(target[kept]) > DECISIVE).sum()),
            "value_error": errors}
     for name, estimate in estimates.items():
-        out[name] = agreement(estimate[kept], target[kept], weight[kept].astype(float))
+        out[name] = agreement(estimate[kept], target[kept], weight[kept])
     return out
 
 

@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from focus_core.acquisition import combine_estimates
 from focus_core.artifacts import ArtifactStore
@@ -95,17 +97,33 @@ def text_features(contexts: Sequence[Sequence[int]], decode, segment_idx: np.nda
     return np.concatenate([text, segment_idx.astype(np.float32)[:, None]], axis=1)
 
 
-def iteration_errors(store: ArtifactStore, run_id: str, config, iteration: int) -> dict:
-    """Refit the critic per feature map on one iteration's main returns; error of each against V^π."""
+@dataclass(frozen=True)
+class ExactIteration:
+    """One iteration of an exact_values run, one entry per main segment (the segment stage's rows, in its order)."""
+
+    states: pa.Table  # the segment stage's table
+    episodes: pa.Table  # the rollout stage's table
+    episode_ids: np.ndarray  # object [rows]
+    segment_idx: np.ndarray  # [rows]
+    exact: np.ndarray  # V^π of the row's state (the advantage stage's ``value``)
+    counted: np.ndarray  # bool: the budget did not cut the row's episode
+    own: np.ndarray  # the episode's return, 0 where cut
+    first: np.ndarray  # a row of each distinct state
+    inverse: np.ndarray  # each row's distinct state
+    loo_n: np.ndarray  # the other returns at the row's state (fit_critic's leave-one-out; no continuations here)
+    loo_mean: np.ndarray  # their mean, NaN without any
+    fold_seed: int  # fit_critic's seed for the folds of round 0
+
+
+def exact_iteration(store: ArtifactStore, run_id: str, config, iteration: int) -> ExactIteration:
     states = store.read_table(run_id, iteration, "segment", "states")
     episodes = store.read_table(run_id, iteration, "rollout", "episodes")
     exact_table = store.read_table(run_id, iteration, "advantage", "advantages")
     exact_of = dict(zip(zip(exact_table.column("episode_id").to_pylist(), exact_table.column("segment_idx").to_pylist(),
                             strict=True), exact_table.column("value").to_pylist(), strict=True))
-    episode_ids = states.column("episode_id").to_pylist()
+    episode_ids = np.array(states.column("episode_id").to_pylist(), dtype=object)
     segment_idx = states.column("segment_idx").to_numpy()
     exact = np.array([exact_of[key] for key in zip(episode_ids, segment_idx.tolist(), strict=True)])
-    task_of = dict(zip(episodes.column("episode_id").to_pylist(), episodes.column("task_id").to_pylist(), strict=True))
     cut = dict(zip(episodes.column("episode_id").to_pylist(), episodes.column("budget_cut").to_pylist(), strict=True))
     counted = ~np.array([cut[e] for e in episode_ids])
     own = np.where(counted, states.column("own_return").to_numpy(), 0.0)
@@ -113,34 +131,53 @@ def iteration_errors(store: ArtifactStore, run_id: str, config, iteration: int) 
     distinct, first, inverse = np.unique(state_ids, return_index=True, return_inverse=True)
     successes = np.bincount(inverse, weights=own, minlength=len(distinct))
     trials = np.bincount(inverse, weights=counted.astype(float), minlength=len(distinct))
-    n = trials[inverse] - counted  # the row's leave-one-out returns, as fit_critic's (no continuations here)
-    mc_mean = np.divide(successes[inverse] - own, n, out=np.full(len(n), np.nan), where=n > 0)
-    tasks_of_state = [task_of[e] for e in np.array(episode_ids, dtype=object)[first]]
-    seed = derive_seed(config.seed, iteration, stage_name(0), "folds")
-    task_fold = task_folds(tasks_of_state, config.critic.folds, seed)
-    row_folds = {"task": np.array([task_fold[task_of[e]] for e in episode_ids]),
-                 "episode": np.array([episode_fold(e, config.critic.folds, seed) for e in episode_ids])}
+    loo_n = trials[inverse] - counted
+    loo_mean = np.divide(successes[inverse] - own, loo_n, out=np.full(len(loo_n), np.nan), where=loo_n > 0)
+    return ExactIteration(states, episodes, episode_ids, segment_idx, exact, counted, own, first, inverse, loo_n,
+                          loo_mean, derive_seed(config.seed, iteration, stage_name(0), "folds"))
+
+
+def fitted_values(config, rows: ExactIteration, x: np.ndarray, row_fold: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fit_critic's values offline: per row the out-of-fold prior on distinct-state features ``x``, and that prior
+    combined by precision with the row's leave-one-out returns. Returns (prior mean, value)."""
+    prior_mean, prior_var = out_of_fold(config, x, rows.inverse, rows.own, rows.counted.astype(float), row_fold)
+    floor = (config.acquisition or AcquisitionConfig()).jitter
+    value, _ = combine_estimates(prior_mean, np.maximum(prior_var, floor), rows.loo_mean, rows.loo_n)
+    return prior_mean, value
+
+
+def episode_folds(config, rows: ExactIteration) -> np.ndarray:
+    """Each row's fold under ``critic.fold_unit: episode``."""
+    return np.array([episode_fold(e, config.critic.folds, rows.fold_seed) for e in rows.episode_ids])
+
+
+def iteration_errors(store: ArtifactStore, run_id: str, config, iteration: int) -> dict:
+    """Refit the critic per feature map on one iteration's main returns; error of each against V^π."""
+    rows = exact_iteration(store, run_id, config, iteration)
+    exact, first = rows.exact, rows.first
+    task_of = dict(zip(rows.episodes.column("episode_id").to_pylist(), rows.episodes.column("task_id").to_pylist(),
+                       strict=True))
+    task_fold = task_folds([task_of[e] for e in rows.episode_ids[first]], config.critic.folds, rows.fold_seed)
+    row_folds = {"task": np.array([task_fold[task_of[e]] for e in rows.episode_ids]),
+                 "episode": episode_folds(config, rows)}
 
     segment = store.manifest(run_id, iteration, "segment")
     policy = next(m for _, _, m in store.committed(run_id) if m.hash == segment.upstream["policy"])
     sampler = load_policy(store.fetch_folder(run_id, policy.iteration, policy.stage, POLICY_FOLDER))
-    model = sampler.model
-    contexts = states.column("context_token_ids").take(first).to_pylist()
-    maps = feature_maps(model, contexts, segment_idx[first], sampler.tokenizer.decode)
-    pipeline = np.array(states.column("features").take(first).to_pylist(), dtype=np.float32)
+    contexts = rows.states.column("context_token_ids").take(first).to_pylist()
+    maps = feature_maps(sampler.model, contexts, rows.segment_idx[first], sampler.tokenizer.decode)
+    pipeline = np.array(rows.states.column("features").take(first).to_pylist(), dtype=np.float32)
     if not np.allclose(maps["mean"], pipeline, atol=1e-4):
         raise ValueError(f"iteration {iteration}: the recomputed mean features differ from the stored ones; the "
                          f"policy found is not the one that segmented")
-    floor = (config.acquisition or AcquisitionConfig()).jitter
-    out = {"segments": len(exact), "distinct_states": len(distinct), "mean_exact_value": float(exact.mean()),
-           "constant_mae": float(np.abs(exact - own.sum() / counted.sum()).mean())}
+    out = {"segments": len(exact), "distinct_states": len(first), "mean_exact_value": float(exact.mean()),
+           "constant_mae": float(np.abs(exact - rows.own.sum() / rows.counted.sum()).mean())}
     for name, x in maps.items():
         out[name] = {}
         for unit, row_fold in row_folds.items():
-            prior_mean, prior_var = out_of_fold(config, x, inverse, own, counted.astype(float), row_fold)
-            value, _ = combine_estimates(prior_mean, np.maximum(prior_var, floor), mc_mean, n)
+            prior_mean, value = fitted_values(config, rows, x, row_fold)
             # The features' own ceiling: the same critic fitted on V^π itself (a soft trial per row), out of fold.
-            ceiling, _ = out_of_fold(config, x, inverse, exact, np.ones(len(exact)), row_fold)
+            ceiling, _ = out_of_fold(config, x, rows.inverse, exact, np.ones(len(exact)), row_fold)
             out[name][unit] = {"prior_mae": float(np.abs(prior_mean - exact).mean()),
                                "value_mae": float(np.abs(value - exact).mean()),
                                "fitted_on_exact_mae": float(np.abs(ceiling - exact).mean())}

@@ -32,15 +32,14 @@ def replay(store: ArtifactStore, run_id: str, iteration: int, overrides: Sequenc
     info = store.run_info(run_id)
     if info is None:
         raise SystemExit(f"no run {run_id} in this store (fix: --store, or `focus runs` to list them)")
-    committed = {(i, stage) for i, stage, _ in store.committed(run_id)}
-    if (iteration, "update") not in committed:
+    committed = list(store.committed(run_id))
+    by_stage = {(i, stage): m for i, stage, m in committed}
+    if (iteration, "update") not in by_stage:
         raise SystemExit(f"run {run_id} has no committed update at iteration {iteration}")
     config = with_overrides(validate_config(info["config"]), list(overrides))
     ctx = RunContext(store, run_id, config)
-    manifest = lambda i, stage: store.manifest(run_id, i, stage)  # noqa: E731
-    committed_update = manifest(iteration, "update")
-    by_hash = {m.hash: m for _, _, m in store.committed(run_id)}
-    upstream = committed_update.upstream  # the manifests the committed update read: {"policy": hash, ...}
+    by_hash = {m.hash: m for _, _, m in committed}
+    upstream = by_stage[iteration, "update"].upstream  # the manifests the committed update read: {"policy": hash, ...}
     policy, reference = by_hash[upstream["policy"]], by_hash[upstream["reference"]]
     branches = [by_hash[upstream[f"branch_{k}"]] for k in range(len(upstream)) if f"branch_{k}" in upstream]
     reports: list[UpdateReport] = []
@@ -53,8 +52,8 @@ def replay(store: ArtifactStore, run_id: str, iteration: int, overrides: Sequenc
     tasks.update.train = keep_report
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            result = tasks.update.compute(ctx, iteration, manifest(iteration, "rollout"),
-                                          manifest(iteration, "advantage"), policy, reference, Path(scratch),
+            result = tasks.update.compute(ctx, iteration, by_stage[iteration, "rollout"],
+                                          by_stage[iteration, "advantage"], policy, reference, Path(scratch),
                                           branches)
     finally:
         tasks.update.train = real_train

@@ -571,14 +571,15 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 f"{path}: the top level must be a mapping of config sections, got {type(loaded).__name__}"
             )
         data = loaded
-    for override in overrides:
-        _apply_override(data, override)
-    return validate_config(data)
+    return _overridden(data, overrides)
 
 
 def with_overrides(cfg: FocusConfig, overrides: list[str] | tuple[str, ...]) -> FocusConfig:
     """``cfg`` with ``a.b=c`` overrides applied, validated again (e.g. a committed run's config, changed)."""
-    data = config_to_dict(cfg)
+    return _overridden(config_to_dict(cfg), overrides)
+
+
+def _overridden(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> FocusConfig:
     for override in overrides:
         _apply_override(data, override)
     return validate_config(data)

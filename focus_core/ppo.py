@@ -283,14 +283,14 @@ def policy_update(
                     gap = gap_now
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
                 _check_finite(grad_norm, "gradient norm", where, lambda: "the backward pass produced inf/NaN")
-                # No gradient, no step (a minibatch whose every advantage is 0, with no KL, entropy or value term):
-                # AdamW would still move every weight by the momentum of earlier batches, a step without evidence.
-                # Measured: a GRPO iteration whose every group failed moved the policy to approx KL 0.11 that way.
                 kl_before = figures.pop("kl_before")
                 # ppo.target_kl: the policy already left the trust region on this minibatch (reduced over the
                 # processes, so all of them stop together); no step on it or on any later one.
                 if config.target_kl is not None and kl_before > config.target_kl:
                     stopped_at = step
+                # No gradient, no step (a minibatch whose every advantage is 0, with no KL, entropy or value term):
+                # AdamW would still move every weight by the momentum of earlier batches, a step without evidence.
+                # Measured: a GRPO iteration whose every group failed moved the policy to approx KL 0.11 that way.
                 elif grad_norm.item() > 0.0:
                     optimizer.step()
 

@@ -1,4 +1,4 @@
-"""bench/advantage_agreement.py: its TD(0) on rows in any order, and its agreement figures, by hand (the benchmark
+"""bench/advantage_agreement.py: its TD(λ) on rows in any order, and its agreement figures, by hand (the benchmark
 itself reads an exact_values run; benchmarks.md has its figures)."""
 
 from __future__ import annotations
@@ -8,19 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.advantage_agreement import agreement, following_rows, td0
+from bench.advantage_agreement import agreement, segment_advantages
 
 
-def test_following_rows_and_td0_on_shuffled_rows():
+def test_segment_advantages_on_shuffled_rows():
     # Rows of two episodes, shuffled: a has segments 0, 1, 2 at rows 2, 4, 1; b has 0, 1 at rows 3, 0.
     episodes = np.array(["b", "a", "a", "b", "a"], dtype=object)
     segments = np.array([1, 2, 0, 0, 1])
-    following = following_rows(episodes, segments)
-    assert following.tolist() == [-1, -1, 4, 0, 1]
     value = np.array([0.5, 0.9, 0.2, 0.4, 0.6])
     reward = np.array([1.0, 0.0, 0.0, 0.0, 0.0])  # b succeeds in its last segment, a fails in its
     # b: A_0 = 0 + 0.5 − 0.4 = 0.1, A_1 = 1 − 0.5 = 0.5; a: A_0 = 0.6 − 0.2 = 0.4, A_1 = 0.9 − 0.6 = 0.3, A_2 = −0.9
-    np.testing.assert_allclose(td0(reward, value, following), [0.5, -0.9, 0.4, 0.1, 0.3])
+    np.testing.assert_allclose(segment_advantages(reward, value, episodes, segments, lam=0.0),
+                               [0.5, -0.9, 0.4, 0.1, 0.3])
+    # λ = 1: R − V(s_k), b's return 1, a's 0.
+    np.testing.assert_allclose(segment_advantages(reward, value, episodes, segments, lam=1.0),
+                               [0.5, -0.9, -0.2, 0.6, -0.6])
 
 
 def test_agreement_by_hand():
