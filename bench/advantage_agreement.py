@@ -13,10 +13,18 @@ From the same episodes it computes
   on feature map F: ``mean``, the pipeline's own features, or ``text``, hashed words of the context
   (bench/critic_features.py);
 * ``td0 half F``: TD(0) with (V̂ + V^π) / 2, the values of ``exact_values_share: 0.5``;
+* ``td1 exact``: R − V^π(s_k), perfect values at λ = 1 (what λ alone costs);
 
 and per estimator, over the segments the budget did not cut: ``correlation``, the correlation with A* weighted by the
-segment's generated tokens (the update's token mean weighs them so), and ``sign``, the token share of the decisive
-segments (|A*| > 0.1) whose sign it gets right; both after centring, as whitening does.
+segment's generated tokens (the update's token mean weighs them so), ``sign``, the token share of the decisive
+segments (|A*| > 0.1) whose sign it gets right, and ``noise_share``, the share of its weighted variance that sits on
+the other segments, where the exact advantage is about 0 (what the update gets as noise); all after centring, as
+whitening does.
+
+Is the critic's error a bias in the same kinds of state every iteration, which the policy would follow? On the lookup
+chain a state's kind is what its observation says of progress: hops done and the last tool result. Per iteration,
+``kind_bias`` has each kind's rows and mean signed error V̂ − V^π (map ``mean``); over consecutive iterations,
+``kind_persistence`` correlates the kinds' biases (kinds with ≥ 20 rows in both).
 
     python -m bench.advantage_agreement critic_share_chain-lookup_chain-td0_exact-s104 --store /work/store \\
         --iterations 0,3,6 --json docs/results/critic_features/advantage_agreement.json      # ~3 min a iteration
@@ -25,6 +33,7 @@ segments (|A*| > 0.1) whose sign it gets right; both after centring, as whitenin
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,6 +45,9 @@ from focus_core.policy.models import load_policy
 from tasks.inputs import POLICY_FOLDER
 
 DECISIVE = 0.1  # |A*| above which a segment's sign is counted
+KIND_ROWS = 20  # rows a kind needs in both iterations to enter kind_persistence
+# The lookup chain's progress line: "Hops done: 2 of 5. [Turn 6 of 14. ]Last: read a document, noted a name."
+_PROGRESS = re.compile(r"Hops done: (\d+) of \d+\.(?: Turn \d+ of \d+\.)? (?:Last: )?([^.]*)\.")
 
 
 def segment_advantages(reward: np.ndarray, value: np.ndarray, episode_ids: np.ndarray, segment_idx: np.ndarray, *,
@@ -63,7 +75,32 @@ def agreement(estimate: np.ndarray, exact: np.ndarray, weight: np.ndarray) -> di
     decisive = np.abs(b) > DECISIVE
     right = np.sign(a[decisive]) == np.sign(b[decisive])
     sign = float(np.average(right, weights=weight[decisive])) if decisive.any() else float("nan")
-    return {"correlation": float(correlation), "sign": sign}
+    spread = weight * a * a
+    return {"correlation": float(correlation), "sign": sign,
+            "noise_share": float(spread[~decisive].sum() / spread.sum())}
+
+
+def state_kind(text: str) -> str | None:
+    """A lookup-chain state's kind, "hops|last tool result", from the last progress line of its context; None when
+    the text has none (another environment)."""
+    found = _PROGRESS.findall(text)
+    return f"{found[-1][0]}|{found[-1][1]}" if found else None
+
+
+def kind_bias(kinds: np.ndarray, error: np.ndarray) -> dict[str, dict]:
+    """Per kind of state, its rows and mean signed error."""
+    return {str(k): {"rows": int((kinds == k).sum()), "bias": float(error[kinds == k].mean())}
+            for k in np.unique(kinds)}
+
+
+def kind_persistence(before: dict[str, dict], after: dict[str, dict]) -> dict[str, float]:
+    """How alike two iterations' kind biases are: their correlation and the share of kinds whose bias keeps its
+    sign, over the kinds with ≥ KIND_ROWS rows in both; and the mean |bias| of those kinds in each."""
+    shared = [k for k in before if k in after and min(before[k]["rows"], after[k]["rows"]) >= KIND_ROWS]
+    x, y = (np.array([side[k]["bias"] for k in shared]) for side in (before, after))
+    return {"kinds": len(shared), "correlation": float(np.corrcoef(x, y)[0, 1]) if len(shared) > 2 else float("nan"),
+            "same_sign": float(np.mean(np.sign(x) == np.sign(y))) if shared else float("nan"),
+            "mean_abs_bias": [float(np.abs(x).mean()), float(np.abs(y).mean())] if shared else []}
 
 
 def iteration_agreement(store: ArtifactStore, run_id: str, config, iteration: int, decode) -> dict:
@@ -93,15 +130,21 @@ def iteration_agreement(store: ArtifactStore, run_id: str, config, iteration: in
     contexts = rows.states.column("context_token_ids").take(rows.first).to_pylist()
     maps = {"mean": np.array(rows.states.column("features").take(rows.first).to_pylist(), dtype=np.float32),
             "text": text_features(contexts, decode, rows.segment_idx[rows.first])}
-    errors = {}
+    errors, signed = {}, {}
     for name, x in maps.items():
         _, value = fitted_values(config, rows, x, episode_folds(config, rows))
         errors[name] = float(np.abs(value - rows.exact)[kept].mean())
+        signed[name] = value - rows.exact
         estimates[f"td0 {name}"] = advantages(value, 0.0)
         estimates[f"td1 {name}"] = advantages(value, 1.0)
         estimates[f"td0 half {name}"] = advantages((value + rows.exact) / 2, 0.0)
+    estimates["td1 exact"] = advantages(rows.exact, 1.0)
     out = {"segments": int(kept.sum()), "decisive": int((np.abs(target[kept]) > DECISIVE).sum()),
            "value_error": errors}
+    kinds = np.array([state_kind(decode(list(c))) for c in rows.states.column("context_token_ids").to_pylist()],
+                     dtype=object)
+    if all(k is not None for k in kinds):
+        out["kind_bias"] = kind_bias(kinds[kept], signed["mean"][kept])
     for name, estimate in estimates.items():
         out[name] = agreement(estimate[kept], target[kept], weight[kept])
     return out
@@ -113,7 +156,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out = {"run_id": args.run_id, "iterations": {}}
     for i in iterations:
         out["iterations"][i] = iteration_agreement(store, args.run_id, config, i, decode)
-        print(json.dumps({i: out["iterations"][i]}), flush=True)
+        print(json.dumps({i: {k: v for k, v in out["iterations"][i].items() if k != "kind_bias"}}), flush=True)
+    biases = [(i, out["iterations"][i].get("kind_bias")) for i in iterations]
+    if len(biases) > 1 and all(b is not None for _, b in biases):
+        out["kind_persistence"] = {f"{i}->{j}": kind_persistence(a, b)
+                                   for (i, a), (j, b) in zip(biases[:-1], biases[1:], strict=True)}
+        print(json.dumps({"kind_persistence": out["kind_persistence"]}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return out
