@@ -141,8 +141,8 @@ def iteration_agreement(store: ArtifactStore, run_id: str, config, iteration: in
     estimates["td1 exact"] = advantages(rows.exact, 1.0)
     out = {"segments": int(kept.sum()), "decisive": int((np.abs(target[kept]) > DECISIVE).sum()),
            "value_error": errors}
-    kinds = np.array([state_kind(decode(list(c))) for c in rows.states.column("context_token_ids").to_pylist()],
-                     dtype=object)
+    # A state id covers its context tokens, so each distinct state's context is decoded once.
+    kinds = np.array([state_kind(decode(list(c))) for c in contexts], dtype=object)[rows.inverse]
     if all(k is not None for k in kinds):
         out["kind_bias"] = kind_bias(kinds[kept], signed["mean"][kept])
     for name, estimate in estimates.items():
