@@ -100,7 +100,7 @@ def run_iteration(ctx: RunContext, i: int, policy: Manifest, reference: Manifest
         stages[f"branch_r{r}"] = grown = branch(ctx, i, r, plan, main, policy, list(charged))
         charged.append(grown)
         branches.append(grown)
-        stages[f"fit_critic_r{r}"] = fit = fit_critic(ctx, i, r, seg, main, list(branches), list(replay))
+        stages[f"fit_critic_r{r}"] = fit = fit_critic(ctx, i, r, seg, main, list(branches), list(replay), policy)
         if not fit.skipped:
             values = fit
             if CRITIC_FOLDER in fit.files:

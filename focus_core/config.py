@@ -196,6 +196,11 @@ class CriticConfig(_Section):
         0, ge=0, description="also fit on the critic data of this many earlier iterations (features of older "
         "policies; 0 = this iteration only)"
     )
+    continuation_states: bool = Field(
+        False, json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
+        description="also fit on every later state of every continuation, each with the continuation's return "
+        "(features from the sampling policy, as stage segment's); off: a continuation's return counts at the state "
+        "it started from only")
     prior_variance: Literal["ensemble", "calibrated"] = Field(
         "ensemble", json_schema_extra={STAGE_VERSION: VERSIONED_WHEN_SET},
         description="the critic prior's variance when it is combined with a state's returns: ensemble (the members' "
@@ -457,6 +462,10 @@ class FocusConfig(_Section):
         if self.exact_values and method.values not in ("critic", "monte_carlo"):
             problems.append(f"exact_values: {method.name} takes no state values (it uses {method.values}), so there "
                             f"is nothing to replace (fix: remove it, or use method=focus or vineppo)")
+        if self.critic is not None and self.critic.continuation_states and not (method.uses_critic
+                                                                           and method.uses_branches):
+            problems.append(f"critic.continuation_states: {method.name} fits no critic on continuations (fix: "
+                            f"remove it, or use method=focus)")
         if self.exact_values_share != 1.0 and not self.exact_values:
             problems.append(f"exact_values_share: {self.exact_values_share:g} mixes V^π into the values only with "
                             f"exact_values (fix: exact_values=true, or remove exact_values_share)")

@@ -3,8 +3,11 @@ value V̂ each segment's advantage will use.
 
 Data, per distinct state: the own returns of the main episodes that visited it and the returns of its
 continuations from rounds 0..r, accumulated across rounds (episodes the budget cut off are left out: their
-0 is not the policy's doing). With ``critic.replay_iterations`` the ``critic_data`` of earlier iterations
-joins the fit (their features come from older policies, hence a setting).
+0 is not the policy's doing). With ``critic.continuation_states`` every later state of every continuation joins
+the fit too, with the continuation's return (its features computed here with the sampling policy, as stage segment
+computes the main states'): returns the continuations paid for, otherwise counted at their first state only. With
+``critic.replay_iterations`` the ``critic_data`` of earlier iterations joins the fit (their features come from
+older policies, hence a setting).
 
 The value used for advantages must not have seen the return it is the baseline of. So it is
 *cross-fitted*: tasks are split into ``critic.folds`` folds, and the states of a fold's tasks get their
@@ -40,16 +43,19 @@ from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.config import AcquisitionConfig
 from focus_core.critic import EnsembleCritic
+from focus_core.features import policy_context_features, with_scalar_features
 from focus_core.ids import derive_seed
+from focus_core.rollouts import states_table
 from focus_core.schemas import FLOATS, schema_for
-from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, read, state_keys
+from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, policy_at, read, state_keys
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 log = logging.getLogger("focus")
 FLAT_PRIOR = (0.5, 0.25)  # mean and variance of V(s) ∈ [0, 1] when no critic could be fitted out of fold
 
 # acquisition.jitter: the floor of the out-of-fold variance before it is combined with the returns.
-READS = ("seed", "method", "critic", "critic.prior_variance", "critic.fold_unit", "acquisition.jitter")
+READS = ("seed", "method", "critic", "critic.prior_variance", "critic.fold_unit", "critic.continuation_states",
+         "acquisition.jitter")
 
 
 def stage_name(round_idx: int) -> str:
@@ -70,6 +76,32 @@ def branch_returns(ctx: RunContext, branches: Sequence[Manifest]) -> list[tuple[
                                       ("state_id", "return", "generated_tokens", "episode_id")), strict=True)
                  if row[3] not in cut]
     return rows
+
+
+def continuation_states(ctx: RunContext, branches: Sequence[Manifest], policy: Manifest) -> dict[str, np.ndarray]:
+    """The later states of every continuation the budget did not cut (each segment start after the state it started
+    from, which the main episodes' states already hold): their features from the sampling policy, the continuation's
+    return, episode id and task id, one row per state visit."""
+    parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
+    parts = [(states_table(rollouts, episodes), episodes) for rollouts, episodes in parts if episodes.num_rows]
+    if not parts:
+        return {"features": np.zeros((0, 0), np.float32), "returns": np.zeros(0), "episode_ids": [], "task_ids": []}
+    states, episodes = pa.concat_tables([p for p, _ in parts]), pa.concat_tables([e for _, e in parts])
+    episode_of = {e: row for row, e in enumerate(episodes.column("episode_id").to_pylist())}
+    state_episode = states.column("episode_id").to_pylist()
+    at = np.array([episode_of[e] for e in state_episode], dtype=np.int64)
+    segment_idx = states.column("segment_idx").to_numpy()
+    starts_at = np.full(len(episode_of), np.iinfo(np.int64).max)
+    np.minimum.at(starts_at, at, segment_idx)  # a continuation's first segment index is its parent state's
+    cut = np.array(episodes.column("budget_cut").to_pylist(), dtype=bool)
+    later = np.flatnonzero((segment_idx > starts_at[at]) & ~cut[at])
+    contexts = states.column("context_token_ids").take(pa.array(later, pa.int64())).to_pylist()
+    features = with_scalar_features(policy_context_features(policy_at(ctx, policy).model, contexts),
+                                    segment_idx[later].astype(np.float32)) if later.size else np.zeros((0, 0))
+    return {"features": np.asarray(features, np.float32),
+            "returns": episodes.column("reward").to_numpy()[at[later]].astype(np.float64),
+            "episode_ids": [state_episode[i] for i in later],
+            "task_ids": np.array(episodes.column("task_id").to_pylist(), dtype=object)[at[later]].tolist()}
 
 
 def branch_observations(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[dict[str, list[float]],
@@ -140,7 +172,8 @@ def return_folds(ctx: RunContext, iteration: int, task_ids: Sequence[str], episo
 
 
 def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
-            branches: Sequence[Manifest], replay: Sequence[Manifest], scratch: Path) -> StageResult:
+            branches: Sequence[Manifest], replay: Sequence[Manifest], scratch: Path,
+            policy: Manifest | None = None) -> StageResult:
     cfg = ctx.config
     if cfg.method_row.values not in ("critic", "monte_carlo"):
         return StageResult(skipped=f"{cfg.method} takes no state values from returns ({cfg.method_row.values})")
@@ -183,6 +216,14 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                                    tasks_of_state)
         replayed = _replay_data(ctx, replay, features.shape[1])
         figures["replay_states"] = len(replayed["trials"])
+        if cfg.critic.continuation_states:
+            if policy is None:
+                raise ValueError("fit_critic: critic.continuation_states needs the sampling policy's manifest")
+            later = continuation_states(ctx, branches, policy)
+            later_fold = return_folds(ctx, iteration, later["task_ids"], later["episode_ids"], tasks_of_state)
+            figures["continuation_states"] = len(later["returns"])
+        else:
+            later, later_fold = {"returns": np.zeros(0)}, np.zeros(0, np.int64)
         seed = cfg.critic.seed + ctx.seed(iteration, stage_name(round_idx)) % 1_000_000
 
         def fit(outside: int | None) -> EnsembleCritic | None:
@@ -195,8 +236,11 @@ def compute(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, 
                  + np.bincount(at, weights=branch_return * more, minlength=len(distinct)))
             t = (np.bincount(inverse, weights=counted * rows, minlength=len(distinct))
                  + np.bincount(at, weights=more.astype(float), minlength=len(distinct)))
-            x = np.concatenate([features[first][keep], replayed["features"]])
-            y, t = np.concatenate([y[keep], replayed["successes"]]), np.concatenate([t[keep], replayed["trials"]])
+            beyond = later_fold != outside  # continuations' later states, one trial each
+            x = np.concatenate([features[first][keep], *([later["features"][beyond]] if beyond.any() else []),
+                                replayed["features"]])
+            y = np.concatenate([y[keep], later["returns"][beyond], replayed["successes"]])
+            t = np.concatenate([t[keep], np.ones(int(beyond.sum())), replayed["trials"]])
             if not (t > 0).any():
                 return None
             critic = EnsembleCritic(cfg.critic.model_copy(update={"seed": seed}), features.shape[1])
@@ -314,10 +358,13 @@ def _replay_data(ctx: RunContext, replay: Sequence[Manifest], n_features: int) -
 
 @stage_task("fit_critic")
 def fit_critic(ctx: RunContext, iteration: int, round_idx: int, segment: Manifest, rollout: Manifest,
-               branches: Sequence[Manifest], replay: Sequence[Manifest] = ()) -> Manifest:
+               branches: Sequence[Manifest], replay: Sequence[Manifest] = (), policy: Manifest | None = None
+               ) -> Manifest:
+    # The sampling policy is an input only where it computes the continuations' features (older runs keep their hash).
+    policy = policy if ctx.config.critic is not None and ctx.config.critic.continuation_states else None
     upstream = {"segment": segment, "rollout": rollout, **{f"branch_{k}": m for k, m in enumerate(branches)},
-                **{f"replay_{k}": m for k, m in enumerate(replay)}}
+                **{f"replay_{k}": m for k, m in enumerate(replay)}, **({"policy": policy} if policy else {})}
     return run_stage(ctx, iteration, stage_name(round_idx), depends_on=ctx.fields(*READS),
                      upstream=upstream,
                      compute=lambda scratch: compute(ctx, iteration, round_idx, segment, rollout, branches, replay,
-                                                     scratch))
+                                                     scratch, policy))

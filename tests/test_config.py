@@ -258,6 +258,9 @@ def test_config_error_is_a_value_error():
             r"exact_values: grpo takes no state values.*method=focus or vineppo",
         ),
         (["exact_values=true"], r"exact_values: exact values need the Markov context.*agent.compression=observation"),
+        (["method=focus_nobranch", "acquisition=null", "critic.continuation_states=true"],
+         r"critic.continuation_states: focus_nobranch fits no critic on continuations \(fix: remove it, or use "
+         r"method=focus\)"),
         (["exact_values_share=0.5"], r"exact_values_share: 0.5 mixes V\^π into the values only with exact_values "
                                      r"\(fix: exact_values=true"),
     ],

@@ -573,6 +573,52 @@ def test_exact_values_put_the_sampling_policys_exact_values_in_the_advantage_sta
     assert values[0.0].figures["value_error"] == pytest.approx(error)
     assert values[0.5].figures["value_error"] == pytest.approx(error / 2)
     assert values[0.5].figures["estimated_value_error"] == pytest.approx(error)
+    _check_continuation_states(store, "exact", branches, monkeypatch)
+
+
+def _check_continuation_states(store, run: str, branches: list, monkeypatch) -> None:
+    """``critic.continuation_states``: fit_critic also fits on every later state of every continuation the budget did
+    not cut, with the continuation's return, cross-fitted: a fold's critic never sees its own fold's continuations."""
+    import tempfile
+
+    from focus_core.config import validate_config
+    from focus_core.critic import EnsembleCritic
+    from tasks import fit_critic
+    from tasks.inputs import fold_critic_folder
+    from tasks.stage import RunContext
+    from tests.test_pipeline import table_rows
+
+    config = validate_config(store.run_info(run)["config"] | {"critic": store.run_info(run)["config"]["critic"]
+                                                                | {"continuation_states": True}})
+    ctx, policy = RunContext(store, run, config), store.manifest(run, 0, "bootstrap")
+    later = fit_critic.continuation_states(ctx, branches, policy)
+    grown = [e for e in table_rows(store, run, "episodes") if e["is_branch"] and not e["budget_cut"]]
+    assert len(later["returns"]) == sum(e["n_segments"] - 1 for e in grown) > 0  # all but the parent state
+    reward = {e["episode_id"]: e["reward"] for e in grown}
+    assert later["returns"].tolist() == [reward[e] for e in later["episode_ids"]]
+    main_states = store.read_table(run, 0, "segment", "states")
+    assert later["features"].shape == (len(later["returns"]), len(main_states.column("features")[0].as_py()))
+    inputs = (ctx, 0, len(branches) - 1, store.manifest(run, 0, "segment"), store.manifest(run, 0, "rollout"),
+              branches, [])
+    # One continuation's return flipped: its own fold's critic is unchanged, the other folds' critics move.
+    flipped = later["episode_ids"][0]
+    main_tasks = store.read_table(run, 0, "rollout", "episodes").column("task_id").to_pylist()
+    fold = fit_critic.return_folds(ctx, 0, [later["task_ids"][0]], [flipped], main_tasks)[0]
+    probe = later["features"][:8]
+    predictions = []
+    for flip in (False, True):
+        data = {**later, "returns": np.where([flip and e == flipped for e in later["episode_ids"]],
+                                             1.0 - later["returns"], later["returns"])}
+        monkeypatch.setattr(fit_critic, "continuation_states", lambda *_, data=data: data)
+        with tempfile.TemporaryDirectory() as scratch:
+            result = fit_critic.compute(*inputs, Path(scratch), policy)
+            assert result.figures["continuation_states"] == len(later["returns"])
+            predictions.append({k: EnsembleCritic.load(path).predict(probe)[0] for k, path in result.folders.items()
+                                if k.startswith("critic_fold")})
+    assert predictions[0][fold_critic_folder(int(fold))] == pytest.approx(predictions[1][fold_critic_folder(int(fold))],
+                                                                           abs=1e-12)
+    assert any(np.abs(predictions[0][k] - predictions[1][k]).max() > 1e-6 for k in predictions[0]
+               if k != fold_critic_folder(int(fold)))
 
 
 @pytest.mark.slow
