@@ -95,6 +95,12 @@ def context_hidden_states(model, contexts: Sequence[Sequence[int]], *, batch_siz
             yield decoder(input_ids=ids, attention_mask=mask).last_hidden_state, mask
 
 
+def state_features(model, contexts: Sequence[Sequence[int]], segment_idx: np.ndarray) -> np.ndarray:
+    """The critic's features of segment start states: the policy's mean-pooled hidden states over each context plus
+    the segment index (what stage segment stores, and what fit_critic and advantage compute for continuations)."""
+    return with_scalar_features(policy_context_features(model, contexts), np.asarray(segment_idx, np.float32))
+
+
 def policy_context_features(model, contexts: Sequence[Sequence[int]], *, batch_size: int = 16) -> np.ndarray:
     """Mean-pooled last hidden states of a causal LM over each context: the critic's state features.
 

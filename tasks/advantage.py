@@ -37,13 +37,23 @@ from focus_core.advantages import AdvantageBatch, get_advantage_estimator
 from focus_core.artifacts import Manifest
 from focus_core.continuations import continuation_values, observed_returns
 from focus_core.envs.trap_tools import ExactEvaluator
-from focus_core.features import policy_context_features, with_scalar_features
+from focus_core.features import state_features
 from focus_core.policy.hf import HFPolicy
-from focus_core.rollouts import segment_starts, states_table, training_sequences
+from focus_core.rollouts import segment_starts, training_sequences
 from focus_core.schemas import FLOATS, schema_for
 from focus_core.value_head import token_values
 from tasks.fit_critic import out_of_fold_values
-from tasks.inputs import CRITIC_FOLDER, STATE_KEYS, env_factory, load_value_head, policy_at, read, state_keys, tasks
+from tasks.inputs import (
+    CRITIC_FOLDER,
+    STATE_KEYS,
+    continuation_tables,
+    env_factory,
+    load_value_head,
+    policy_at,
+    read,
+    state_keys,
+    tasks,
+)
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 STAGE = "advantage"
@@ -133,13 +143,10 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
                    values: Manifest, sampler: Callable[[], HFPolicy], branches: Sequence[Manifest]
                    ) -> tuple[pa.Table, pa.Table, dict[tuple[str, int], float]]:
     """The continuations' states and episodes (every branch round), and V̂ at each of their segment starts."""
-    parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
-    if not sum(episodes.num_rows for _, episodes in parts):
+    grown = continuation_tables(ctx, branches)
+    if grown is None:
         return main_states.slice(0, 0), main_episodes.slice(0, 0), {}
-    episodes = pa.concat_tables([episodes for _, episodes in parts])
-    states = pa.concat_tables([states_table(rollouts, episodes) for rollouts, episodes in parts])
-    states = states.take(np.lexsort((states.column("segment_idx").to_numpy(),
-                                     np.array(states.column("episode_id").to_pylist(), dtype=object))))
+    states, episodes = grown
     episode = np.array(states.column("episode_id").to_pylist(), dtype=object)
     segment_idx = states.column("segment_idx").to_numpy()
     first = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
@@ -163,8 +170,7 @@ def _continuations(ctx: RunContext, main_states: pa.Table, main_episodes: pa.Tab
         if CRITIC_FOLDER not in values.files:
             raise ValueError(f"advantage: {values.stage} has no critic checkpoint for the continuations' states")
         contexts = states.column("context_token_ids").take(pa.array(rest)).to_pylist()
-        features = with_scalar_features(policy_context_features(sampler().model, contexts),
-                                        segment_idx[rest].astype(np.float32))
+        features = state_features(sampler().model, contexts, segment_idx[rest])
         # From the fold critic that saw neither this continuation's return nor (critic.fold_unit: task) any other
         # of its task's.
         task = np.array(episodes.column("task_id").to_pylist(), dtype=object)[[row[e] for e in episode[rest]]]

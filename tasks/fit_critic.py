@@ -43,11 +43,18 @@ from focus_core.advantages import fill_missing_values
 from focus_core.artifacts import Manifest
 from focus_core.config import AcquisitionConfig
 from focus_core.critic import EnsembleCritic
-from focus_core.features import policy_context_features, with_scalar_features
+from focus_core.features import state_features
 from focus_core.ids import derive_seed
-from focus_core.rollouts import states_table
 from focus_core.schemas import FLOATS, schema_for
-from tasks.inputs import CRITIC_FOLDER, floats_or_nulls, fold_critic_folder, policy_at, read, state_keys
+from tasks.inputs import (
+    CRITIC_FOLDER,
+    continuation_tables,
+    floats_or_nulls,
+    fold_critic_folder,
+    policy_at,
+    read,
+    state_keys,
+)
 from tasks.stage import RunContext, StageResult, run_stage, stage_task
 
 log = logging.getLogger("focus")
@@ -82,22 +89,19 @@ def continuation_states(ctx: RunContext, branches: Sequence[Manifest], policy: M
     """The later states of every continuation the budget did not cut (each segment start after the state it started
     from, which the main episodes' states already hold): their features from the sampling policy, the continuation's
     return, episode id and task id, one row per state visit."""
-    parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
-    parts = [(states_table(rollouts, episodes), episodes) for rollouts, episodes in parts if episodes.num_rows]
-    if not parts:
+    grown = continuation_tables(ctx, branches)
+    if grown is None:
         return {"features": np.zeros((0, 0), np.float32), "returns": np.zeros(0), "episode_ids": [], "task_ids": []}
-    states, episodes = pa.concat_tables([p for p, _ in parts]), pa.concat_tables([e for _, e in parts])
+    states, episodes = grown
     episode_of = {e: row for row, e in enumerate(episodes.column("episode_id").to_pylist())}
     state_episode = states.column("episode_id").to_pylist()
     at = np.array([episode_of[e] for e in state_episode], dtype=np.int64)
-    segment_idx = states.column("segment_idx").to_numpy()
-    starts_at = np.full(len(episode_of), np.iinfo(np.int64).max)
-    np.minimum.at(starts_at, at, segment_idx)  # a continuation's first segment index is its parent state's
+    first = np.r_[True, np.array(state_episode[1:], dtype=object) != np.array(state_episode[:-1], dtype=object)]
     cut = np.array(episodes.column("budget_cut").to_pylist(), dtype=bool)
-    later = np.flatnonzero((segment_idx > starts_at[at]) & ~cut[at])
+    later = np.flatnonzero(~first & ~cut[at])  # rows sorted by episode: a continuation's first is its parent state
     contexts = states.column("context_token_ids").take(pa.array(later, pa.int64())).to_pylist()
-    features = with_scalar_features(policy_context_features(policy_at(ctx, policy).model, contexts),
-                                    segment_idx[later].astype(np.float32)) if later.size else np.zeros((0, 0))
+    segment_idx = states.column("segment_idx").to_numpy()[later]
+    features = state_features(policy_at(ctx, policy).model, contexts, segment_idx) if later.size else np.zeros((0, 0))
     return {"features": np.asarray(features, np.float32),
             "returns": episodes.column("reward").to_numpy()[at[later]].astype(np.float64),
             "episode_ids": [state_episode[i] for i in later],

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -18,6 +19,7 @@ from focus_core.envs.base import Task, ToolEnv
 from focus_core.policy.base import Policy
 from focus_core.policy.hf import HFPolicy
 from focus_core.policy.models import load_policy
+from focus_core.rollouts import states_table
 from tasks.stage import RunContext
 
 POLICY_FOLDER = "policy"  # the checkpoint folder name in the bootstrap and update stages
@@ -83,6 +85,19 @@ _SERVED: dict[str, Any] = {}  # this process's vLLM policy and the checkpoint fo
 def read(ctx: RunContext, manifest: Manifest, table: str):
     """A committed table of an upstream stage (only the parts its manifest lists, hash-checked)."""
     return ctx.store.read_table(ctx.run_id, manifest.iteration, manifest.stage, table)
+
+
+def continuation_tables(ctx: RunContext, branches: Sequence[Manifest]) -> tuple[pa.Table, pa.Table] | None:
+    """The continuations of the branch stages (every round): their ``states`` rows, sorted by episode then segment
+    (a continuation's first row is the state it started from), and their ``episodes``; None without any."""
+    parts = [(read(ctx, m, "rollouts"), read(ctx, m, "episodes")) for m in branches if not m.skipped]
+    parts = [(rollouts, episodes) for rollouts, episodes in parts if episodes.num_rows]
+    if not parts:
+        return None
+    states = pa.concat_tables([states_table(rollouts, episodes) for rollouts, episodes in parts])
+    states = states.take(np.lexsort((states.column("segment_idx").to_numpy(),
+                                     np.array(states.column("episode_id").to_pylist(), dtype=object))))
+    return states, pa.concat_tables([episodes for _, episodes in parts])
 
 
 def spent_tokens(ctx: RunContext, manifests: Sequence[Manifest]) -> int:

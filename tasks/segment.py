@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 
 from focus_core.artifacts import Manifest
-from focus_core.features import policy_context_features, with_scalar_features
+from focus_core.features import state_features
 from focus_core.rollouts import states_table
 from focus_core.schemas import FLOATS
 from tasks.inputs import policy_at, read
@@ -28,8 +27,7 @@ def compute(ctx: RunContext, rollout: Manifest, policy_manifest: Manifest, scrat
     states = states_table(read(ctx, rollout, "rollouts"), read(ctx, rollout, "episodes"))
     policy = policy_at(ctx, policy_manifest)
     contexts = states.column("context_token_ids").to_pylist()
-    segment_idx = states.column("segment_idx").to_numpy().astype(np.float32)
-    features = with_scalar_features(policy_context_features(policy.model, contexts), segment_idx)
+    features = state_features(policy.model, contexts, states.column("segment_idx").to_numpy())
     column = states.schema.get_field_index("features")
     states = states.set_column(column, states.schema.field("features"), pa.array(list(features), type=FLOATS))
     episodes = len(set(states.column("episode_id").to_pylist()))
